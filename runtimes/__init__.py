@@ -1,0 +1,81 @@
+"""vf-sandbox runtimes: one async API and one error taxonomy over every kind of sandbox.
+
+Importing this package loads only the core (anyio, pydantic, tenacity); each backend's
+SDK is imported when that backend is used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .base import Runtime, live_runtimes
+from .config import RuntimeConfig, RuntimeConfigError
+from .errors import (
+    ExecTimeoutError,
+    OutputLimitExceededError,
+    ProvisioningError,
+    SandboxError,
+    SandboxFileExistsError,
+    SandboxFileNotFoundError,
+    SandboxInvalidArgumentError,
+    SandboxIsADirectoryError,
+    SandboxNotADirectoryError,
+    SandboxPermissionError,
+    SandboxTransportError,
+    SandboxUnavailableError,
+)
+from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
+from .registry import (
+    RuntimePluginError,
+    UnknownRuntimeError,
+    available_runtimes,
+    load_runtime_class,
+    open_runtime,
+    resolve_runtime_config,
+    runtime_is_local,
+)
+from .subprocess import SubprocessConfig, SubprocessRuntime
+
+if TYPE_CHECKING:
+    from .cleanup import cleanup_sandboxes
+
+__all__ = [
+    "ExecRequest",
+    "ExecResult",
+    "ExecTimeoutError",
+    "OutputLimitExceededError",
+    "OutputSink",
+    "ProvisioningError",
+    "Runtime",
+    "RuntimeConfig",
+    "RuntimeConfigError",
+    "RuntimePluginError",
+    "SandboxError",
+    "SandboxFileExistsError",
+    "SandboxFileNotFoundError",
+    "SandboxInfo",
+    "SandboxInvalidArgumentError",
+    "SandboxIsADirectoryError",
+    "SandboxNotADirectoryError",
+    "SandboxPermissionError",
+    "SandboxTransportError",
+    "SandboxUnavailableError",
+    "SubprocessConfig",
+    "SubprocessRuntime",
+    "UnknownRuntimeError",
+    "available_runtimes",
+    "cleanup_sandboxes",
+    "live_runtimes",
+    "load_runtime_class",
+    "open_runtime",
+    "resolve_runtime_config",
+    "runtime_is_local",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "cleanup_sandboxes":
+        from .cleanup import cleanup_sandboxes
+
+        return cleanup_sandboxes
+    raise AttributeError(f"module 'runtimes' has no attribute {name!r}")

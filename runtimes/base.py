@@ -1,0 +1,620 @@
+"""The :class:`Runtime` contract: one async API over every kind of sandbox.
+
+Lifecycle (``start`` / ``close``) is kept apart from the operations on a live sandbox
+(``exec``, ``read``, ``write``, ...). The public methods here validate arguments,
+resolve paths, enforce timeouts and caps, and keep state; a backend implements the
+small ``_``-prefixed primitives and never repeats that work.
+
+Writing a backend: subclass :class:`Runtime`, set ``config_model``, implement
+``_start``, ``_close``, ``_alive``, ``_exec``, ``_read`` and ``_write``. The defaults of
+``_exists``, ``_remove``, ``_upload`` and ``_download`` go through ``_exec`` with POSIX
+tools (``test``, ``rm``, ``tar``); override them where the transport does better. Then
+run the conformance suite (:mod:`runtimes.testing`) against it.
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import io
+import logging
+import os
+import posixpath
+import tarfile
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import ClassVar, Self
+
+import anyio
+import anyio.lowlevel
+
+from .config import RuntimeConfig
+from .errors import (
+    ExecTimeoutError,
+    OutputLimitExceededError,
+    SandboxError,
+    SandboxFileNotFoundError,
+    SandboxInvalidArgumentError,
+    SandboxUnavailableError,
+)
+from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
+
+log = logging.getLogger("runtimes")
+
+PathLike = str | os.PathLike[str]
+
+_NEW, _STARTING, _OPEN, _CLOSING, _CLOSED = "new", "starting", "open", "closing", "closed"
+
+
+class Runtime(abc.ABC):
+    """One sandbox, as an async context manager.
+
+    ``async with SomeRuntime(config) as rt:`` creates the sandbox, and leaving the block
+    destroys it (or, for runtimes that borrow an existing sandbox, lets it go).
+
+    Every method documents the errors it raises. Beyond those listed, any method can
+    raise :class:`~runtimes.errors.SandboxUnavailableError` when the sandbox is dead,
+    stopped, removed or closed, and :class:`~runtimes.errors.SandboxTransportError` when
+    the channel to it failed (after bounded retries for idempotent calls). Nothing a
+    runtime raises is a bare ``Exception``: anything unexpected from a backend surfaces
+    as :class:`~runtimes.errors.SandboxError` with the original chained.
+    """
+
+    name: ClassVar[str] = "runtime"
+    config_model: ClassVar[type[RuntimeConfig]] = RuntimeConfig
+
+    def __init__(self, config: RuntimeConfig):
+        if not isinstance(config, self.config_model):
+            raise SandboxInvalidArgumentError(
+                f"{type(self).__name__} needs a {self.config_model.__name__}, "
+                f"got {type(config).__name__}"
+            )
+        self.config = config
+        self._state = _NEW
+        self._workdir: str | None = None
+        self._state_lock: anyio.Lock | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> Self:
+        """Create (or attach to) the sandbox and wait until it is ready.
+
+        Creation is shielded from cancellation until the backend holds a handle on what
+        it created; if the caller was cancelled meanwhile, the sandbox is closed again
+        before the cancellation propagates, so nothing leaks.
+
+        Raises:
+            ProvisioningError: the sandbox could not be created (image missing, quota,
+                authentication, unreachable host).
+            SandboxUnavailableError: the runtime was already started or closed.
+        """
+        if self._state != _NEW:
+            raise SandboxUnavailableError(f"{self.describe()} was already started ({self._state})")
+        self._state = _STARTING
+        try:
+            with anyio.CancelScope(shield=True):
+                self._workdir = await self._start()
+                self._state = _OPEN
+                _LIVE.add(self)
+            await anyio.lowlevel.checkpoint()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._close_quietly()
+            raise
+        return self
+
+    async def close(self) -> None:
+        """Destroy the sandbox (or release a borrowed one). Idempotent and shielded.
+
+        Safe to call twice, from a cancelled task, or on a runtime that never started.
+
+        Raises:
+            SandboxTransportError: the backend could not confirm the sandbox is gone;
+                the sandbox is left to ``vf-sandbox cleanup``.
+        """
+        with anyio.CancelScope(shield=True):
+            if self._state in (_CLOSED, _CLOSING):
+                return
+            was = self._state
+            self._state = _CLOSING
+            _LIVE.discard(self)
+            try:
+                if was in (_STARTING, _OPEN):
+                    await self._close()
+            finally:
+                self._state = _CLOSED
+
+    async def _close_quietly(self) -> None:
+        try:
+            await self.close()
+        except Exception:  # noqa: BLE001 - already failing; the original error wins
+            log.warning("closing %s after a failed start also failed", self.describe(), exc_info=True)
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @property
+    def workdir(self) -> str:
+        """The sandbox's absolute working directory (the default ``cwd``)."""
+        self._check_open()
+        assert self._workdir is not None
+        return self._workdir
+
+    @property
+    def closed(self) -> bool:
+        return self._state == _CLOSED
+
+    def describe(self) -> str:
+        """A short human name for messages: backend plus sandbox id."""
+        return f"{self.name} sandbox {self.sandbox_id or '(not started)'}"
+
+    @property
+    def sandbox_id(self) -> str | None:
+        """The backend's id for this sandbox (container id, remote dir...), once started."""
+        return None
+
+    async def alive(self) -> bool:
+        """Whether the sandbox answers. Never raises for a dead or closed sandbox.
+
+        Raises:
+            SandboxTransportError: liveness cannot be decided because the channel failed.
+        """
+        if self._state != _OPEN:
+            return False
+        with self._guard("alive"):
+            return await self._alive()
+
+    # ------------------------------------------------------------------ operations
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        user: str | None = None,
+        output_limit: int | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` (never a shell string) inside the sandbox and wait for it.
+
+        Args:
+            argv: program and arguments. Callers who want a shell pass ``["sh", "-c", ...]``.
+            timeout: seconds; on expiry the whole process tree is killed.
+            cwd: absolute, or relative to the workdir; defaults to the workdir.
+            env: variables added to the sandbox's environment for this call only.
+            stdin: bytes (or text, encoded as UTF-8) fed to the process, then closed.
+            user: run as this user (backends that cannot switch raise ``SandboxPermissionError``).
+            output_limit: cap on stdout + stderr together, bytes (default: the config's).
+
+        Returns:
+            The exit code (``128 + N`` for a death by signal N) and byte-exact output.
+            A non-zero exit is a result, not an error.
+
+        Raises:
+            ExecTimeoutError: ``timeout`` expired; the tree was killed; partial output attached.
+            OutputLimitExceededError: output went over the cap; the tree was killed;
+                the output kept so far is attached.
+            SandboxFileNotFoundError: the program or ``cwd`` does not exist.
+            SandboxPermissionError: the program is not executable, or ``user`` is refused.
+            SandboxNotADirectoryError: ``cwd`` is not a directory.
+            SandboxInvalidArgumentError: empty argv, NUL bytes, bad env names, argv too large.
+
+        Cancelling the awaiting task kills the process tree too, then lets the
+        cancellation propagate.
+        """
+        self._check_open()
+        request = self._exec_request(argv, timeout, cwd, env, stdin, user, output_limit)
+        started = time.monotonic()
+        sink = OutputSink(request.output_limit)
+        with anyio.CancelScope() as scope:
+            sink.on_overflow = scope.cancel
+            if timeout is not None:
+                scope.deadline = anyio.current_time() + timeout
+            with self._guard("exec", request.argv[0]):
+                exit_code = await self._exec(request, sink)
+        if sink.overflowed:
+            raise OutputLimitExceededError(
+                f"output of {request.argv[0]!r}",
+                request.output_limit,
+                stdout_bytes=bytes(sink.stdout),
+                stderr_bytes=bytes(sink.stderr),
+            )
+        if scope.cancelled_caught:
+            raise ExecTimeoutError(
+                list(request.argv), timeout, bytes(sink.stdout), bytes(sink.stderr)
+            )
+        return ExecResult(
+            exit_code, bytes(sink.stdout), bytes(sink.stderr), time.monotonic() - started
+        )
+
+    async def read(self, path: PathLike, *, max_bytes: int | None = None) -> bytes:
+        """The exact bytes of a file.
+
+        Raises:
+            SandboxFileNotFoundError: no such file.
+            SandboxIsADirectoryError: ``path`` is a directory.
+            SandboxNotADirectoryError: a parent of ``path`` is not a directory.
+            SandboxPermissionError: not readable.
+            OutputLimitExceededError: the file is larger than ``max_bytes`` (default:
+                the config's ``read_limit``); nothing is returned.
+            SandboxInvalidArgumentError: a malformed path (NUL byte, empty).
+        """
+        self._check_open()
+        resolved = self.resolve_path(path)
+        limit = self.config.read_limit if max_bytes is None else max_bytes
+        if limit < 0:
+            raise SandboxInvalidArgumentError(f"max_bytes must be >= 0, got {limit}")
+        with self._guard("read", resolved):
+            data = await self._read(resolved, limit)
+        if len(data) > limit:
+            raise OutputLimitExceededError(f"read of {resolved!r}", limit, path=resolved)
+        return data
+
+    async def write(self, path: PathLike, data: bytes | str) -> None:
+        """Write ``data`` to a file, creating parent directories, replacing any old content.
+
+        Raises:
+            SandboxIsADirectoryError: ``path`` is a directory.
+            SandboxNotADirectoryError: a parent of ``path`` is a file.
+            SandboxPermissionError: not writable.
+            SandboxInvalidArgumentError: a malformed path (NUL byte, empty).
+        """
+        self._check_open()
+        resolved = self.resolve_path(path)
+        payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        with self._guard("write", resolved):
+            await self._write(resolved, payload)
+
+    async def exists(self, path: PathLike) -> bool:
+        """Whether anything (file, directory, symlink, even a dangling one) is at ``path``.
+
+        A missing parent is ``False``, not an error.
+
+        Raises:
+            SandboxPermissionError: a parent directory cannot be searched.
+            SandboxInvalidArgumentError: a malformed path.
+        """
+        self._check_open()
+        resolved = self.resolve_path(path)
+        with self._guard("exists", resolved):
+            return await self._exists(resolved)
+
+    async def remove(self, path: PathLike, *, missing_ok: bool = False) -> None:
+        """Remove a file, a symlink (not its target) or a whole directory tree.
+
+        Raises:
+            SandboxFileNotFoundError: nothing at ``path`` and not ``missing_ok``.
+            SandboxPermissionError: not removable.
+            SandboxInvalidArgumentError: a malformed path, or the workdir or ``/`` itself.
+        """
+        self._check_open()
+        resolved = self.resolve_path(path)
+        if posixpath.normpath(resolved) == "/":
+            raise SandboxInvalidArgumentError("refusing to remove '/'")
+        with self._guard("remove", resolved):
+            if not await self._exists(resolved):
+                if missing_ok:
+                    return
+                raise SandboxFileNotFoundError(resolved)
+            await self._remove(resolved)
+
+    async def upload(self, local: PathLike, remote: PathLike) -> None:
+        """Copy a local file or directory tree to ``remote`` (created, parents included).
+
+        A directory's contents land inside ``remote``; existing files are replaced.
+
+        Raises:
+            FileNotFoundError: the local source does not exist (a host-side error).
+            SandboxNotADirectoryError / SandboxIsADirectoryError: kinds clash at ``remote``.
+            SandboxPermissionError: not writable.
+        """
+        self._check_open()
+        source = Path(local)
+        if not source.exists():
+            raise FileNotFoundError(2, "No such file or directory (local upload source)", str(local))
+        resolved = self.resolve_path(remote)
+        with self._guard("upload", resolved):
+            await self._upload(source, resolved)
+
+    async def download(self, remote: PathLike, local: PathLike) -> None:
+        """Copy a sandbox file or directory tree to ``local`` (parents created).
+
+        A directory's contents land inside ``local``.
+
+        Raises:
+            SandboxFileNotFoundError: nothing at ``remote``.
+            SandboxPermissionError: not readable.
+            OutputLimitExceededError: the tree is larger than the config's ``read_limit``.
+        """
+        self._check_open()
+        resolved = self.resolve_path(remote)
+        with self._guard("download", resolved):
+            await self._download(resolved, Path(local))
+
+    # ------------------------------------------------------------------ helpers
+
+    def resolve_path(self, path: PathLike) -> str:
+        """An absolute sandbox path: relative ones are joined to the workdir.
+
+        Raises:
+            SandboxInvalidArgumentError: empty, or containing a NUL byte.
+        """
+        text = os.fspath(path)
+        if not isinstance(text, str):
+            raise SandboxInvalidArgumentError(f"sandbox paths are text, got {type(text).__name__}")
+        if not text:
+            raise SandboxInvalidArgumentError("empty path")
+        if "\x00" in text:
+            raise SandboxInvalidArgumentError(f"path contains a NUL byte: {text!r}")
+        if text.startswith("/"):
+            return text
+        return posixpath.join(self.workdir, text)
+
+    def _exec_request(
+        self,
+        argv: Sequence[str],
+        timeout: float | None,
+        cwd: PathLike | None,
+        env: Mapping[str, str] | None,
+        stdin: bytes | str | None,
+        user: str | None,
+        output_limit: int | None,
+    ) -> ExecRequest:
+        if isinstance(argv, str | bytes):
+            raise SandboxInvalidArgumentError(
+                "argv must be a sequence of strings, not a shell string; "
+                "pass ['sh', '-c', command] to use a shell"
+            )
+        args = tuple(argv)
+        if not args:
+            raise SandboxInvalidArgumentError("empty argv")
+        for arg in args:
+            if not isinstance(arg, str):
+                raise SandboxInvalidArgumentError(f"argv items must be str, got {type(arg).__name__}")
+            if "\x00" in arg:
+                raise SandboxInvalidArgumentError(f"argv item contains a NUL byte: {arg[:60]!r}")
+        merged_env = dict(self.config.env)
+        for key, value in (env or {}).items():
+            if not key or "=" in key or "\x00" in key or "\x00" in value:
+                raise SandboxInvalidArgumentError(f"invalid environment variable {key!r}")
+            merged_env[key] = value
+        if timeout is not None and timeout <= 0:
+            raise SandboxInvalidArgumentError(f"timeout must be > 0, got {timeout}")
+        limit = self.config.output_limit if output_limit is None else output_limit
+        if limit <= 0:
+            raise SandboxInvalidArgumentError(f"output_limit must be > 0, got {limit}")
+        data = stdin.encode("utf-8") if isinstance(stdin, str) else stdin
+        return ExecRequest(
+            argv=args,
+            cwd=self.workdir if cwd is None else self.resolve_path(cwd),
+            env=merged_env,
+            stdin=data,
+            user=user,
+            timeout=timeout,
+            output_limit=limit,
+        )
+
+    def _check_open(self) -> None:
+        if self._state != _OPEN:
+            what = {_NEW: "was never started", _STARTING: "is still starting"}.get(
+                self._state, "is closed"
+            )
+            raise SandboxUnavailableError(f"{self.describe()} {what}")
+
+    @contextmanager
+    def _guard(self, operation: str, subject: str | None = None) -> Iterator[None]:
+        """Let typed errors through; turn anything else from a backend into a SandboxError."""
+        try:
+            yield
+        except SandboxError:
+            raise
+        except Exception as exc:
+            about = f" {subject!r}" if subject else ""
+            raise SandboxError(
+                f"{self.describe()}: {operation}{about} failed unexpectedly: {exc!r}"
+            ) from exc
+
+    # ------------------------------------------------------------------ backend primitives
+
+    @abc.abstractmethod
+    async def _start(self) -> str:
+        """Create or attach to the sandbox; return its absolute workdir.
+
+        Runs shielded. Keep a handle on what was created before any further await, so
+        that ``_close`` can remove it if readiness then fails.
+        """
+
+    @abc.abstractmethod
+    async def _close(self) -> None:
+        """Destroy (or release) the sandbox. Must cope with a half-finished ``_start``."""
+
+    @abc.abstractmethod
+    async def _alive(self) -> bool:
+        """Liveness probe: ``False`` for a dead sandbox, never an exception for it."""
+
+    @abc.abstractmethod
+    async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
+        """Run the command, feeding output to ``sink``; return the exit code (128+N on signal).
+
+        When cancelled (timeout, output cap, or the caller), kill the whole process tree
+        inside the sandbox, shielded, then let the cancellation propagate.
+        """
+
+    @abc.abstractmethod
+    async def _read(self, path: str, limit: int) -> bytes:
+        """Read a file. May return more than ``limit`` bytes (the caller raises), or raise
+        ``OutputLimitExceededError`` itself without transferring the content."""
+
+    @abc.abstractmethod
+    async def _write(self, path: str, data: bytes) -> None:
+        """Write a file, creating parents."""
+
+    async def _exists(self, path: str) -> bool:
+        request, sink = self._internal(["sh", "-c", 'test -e "$1" || test -L "$1"', "sh", path])
+        return await self._exec(request, sink) == 0
+
+    async def _remove(self, path: str) -> None:
+        request, sink = self._internal(["rm", "-rf", "--", path])
+        if await self._exec(request, sink) != 0:
+            raise _shell_error(path, sink)
+
+    async def _upload(self, source: Path, remote: str) -> None:
+        if source.is_file():
+            await self._write(remote, await anyio.Path(source).read_bytes())
+            return
+        archive = await anyio.to_thread.run_sync(_tar_directory, source)
+        request, sink = self._internal(
+            ["sh", "-c", 'mkdir -p -- "$1" && tar -x -f - -C "$1"', "sh", remote], stdin=archive
+        )
+        if await self._exec(request, sink) != 0:
+            raise _shell_error(remote, sink)
+
+    async def _download(self, remote: str, local: Path) -> None:
+        request, sink = self._internal(
+            ["sh", "-c", 'if [ -d "$1" ]; then exit 3; elif [ -e "$1" ]; then exit 4; else exit 2; fi', "sh", remote]
+        )
+        kind = await self._exec(request, sink)
+        if kind == 2:
+            raise SandboxFileNotFoundError(remote)
+        if kind == 4:
+            data = await self._read(remote, self.config.read_limit)
+            await anyio.to_thread.run_sync(_write_local_file, local, data)
+            return
+        request, sink = self._internal(
+            ["tar", "-c", "-f", "-", "-C", remote, "."], limit=self.config.read_limit
+        )
+        code = await self._exec(request, sink)
+        if sink.overflowed:
+            raise OutputLimitExceededError(f"download of {remote!r}", self.config.read_limit, path=remote)
+        if code != 0:
+            raise _shell_error(remote, sink)
+        await anyio.to_thread.run_sync(_untar_into, bytes(sink.stdout), local)
+
+    def _internal(
+        self, argv: list[str], *, stdin: bytes | None = None, limit: int = 1 << 20
+    ) -> tuple[ExecRequest, OutputSink]:
+        """An exec request for the runtime's own bookkeeping commands."""
+        return (
+            ExecRequest(
+                argv=tuple(argv),
+                cwd=self._workdir or "/",
+                env={},
+                stdin=stdin,
+                user=None,
+                timeout=None,
+                output_limit=limit,
+            ),
+            OutputSink(limit),
+        )
+
+    # ------------------------------------------------------------------ sweeping
+
+    @classmethod
+    async def list_sandboxes(cls, config: RuntimeConfig | None = None) -> list[SandboxInfo]:
+        """Every sandbox of this backend carrying vf-sandbox labels (for ``cleanup``/``ls``).
+
+        Backends that cannot enumerate their sandboxes return an empty list.
+        """
+        return []
+
+    @classmethod
+    async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:
+        """Remove one sandbox found by :meth:`list_sandboxes`."""
+        raise SandboxError(f"{cls.name} cannot remove sandboxes it did not open")
+
+    def _close_at_exit(self) -> None:
+        """The atexit backstop: close this runtime on a fresh event loop."""
+        anyio.run(self.close)
+
+
+def _shell_error(path: str, sink: OutputSink) -> SandboxError:
+    from .errors import error_for_errno
+
+    message = bytes(sink.stderr).decode("utf-8", "replace").strip()
+    lowered = message.lower()
+    for needle, num in (
+        ("no such file", 2),
+        ("permission denied", 13),
+        ("not a directory", 20),
+        ("is a directory", 21),
+        ("read-only file system", 30),
+    ):
+        if needle in lowered:
+            return error_for_errno(num, path, message or None)
+    return SandboxError(f"operation on {path!r} failed: {message or 'no message'}")
+
+
+def _tar_directory(source: Path) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for entry in sorted(source.iterdir()):
+            tar.add(entry, arcname=entry.name)
+    return buf.getvalue()
+
+
+def _untar_into(data: bytes, local: Path) -> None:
+    local.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        tar.extractall(local, filter="data")
+
+
+def _write_local_file(local: Path, data: bytes) -> None:
+    local.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=local.parent, prefix=".vf-download-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, local)
+    except BaseException:
+        with _suppress_os_error():
+            os.unlink(tmp)
+        raise
+
+
+@contextmanager
+def _suppress_os_error() -> Iterator[None]:
+    try:
+        yield
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------- atexit backstop
+
+_LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def live_runtimes() -> list[Runtime]:
+    """Runtimes of this process that are open right now."""
+    with _LIVE_LOCK:
+        return list(_LIVE)
+
+
+def _close_leftovers() -> None:
+    for runtime in live_runtimes():
+        try:
+            runtime._close_at_exit()
+        except Exception:  # noqa: BLE001 - last resort at exit; cleanup sweeps what remains
+            log.warning("atexit: could not close %s", runtime.describe(), exc_info=True)
+
+
+atexit.register(_close_leftovers)
+
+__all__ = ["Runtime", "live_runtimes"]

@@ -1,0 +1,55 @@
+"""Runtime configuration: pydantic models with a ``type`` discriminator.
+
+Each backend declares its own config model (a subclass of :class:`RuntimeConfig` whose
+``type`` is a ``Literal``) in its own module. :func:`resolve_runtime_config` finds the
+model through the plugin registry, so third-party backends validate the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import SandboxInvalidArgumentError
+from .models import DEFAULT_OUTPUT_LIMIT, DEFAULT_READ_LIMIT
+
+
+class RuntimeConfig(BaseModel):
+    """Fields every backend understands.
+
+    ``workdir`` is the sandbox's working directory: relative paths resolve against it and
+    it is the default ``cwd``. ``None`` lets the backend choose (a private directory).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: str
+    workdir: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    output_limit: int = Field(default=DEFAULT_OUTPUT_LIMIT, gt=0)
+    read_limit: int = Field(default=DEFAULT_READ_LIMIT, gt=0)
+
+    def is_local(self) -> bool:
+        """Whether the sandbox shares the host's network namespace (and so its loopback)."""
+        return False
+
+
+class RuntimeConfigError(SandboxInvalidArgumentError):
+    """A runtime config could not be validated; the message names every bad field."""
+
+    def __init__(self, message: str, errors: list[dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.errors = errors or []
+
+
+def config_error_from_validation(type_name: str, exc: ValidationError) -> RuntimeConfigError:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(config)"
+        lines.append(f"  {where}: {err['msg']}")
+    return RuntimeConfigError(
+        f"invalid {type_name!r} runtime config:\n" + "\n".join(lines),
+        [dict(e) for e in exc.errors(include_url=False, include_input=False)],
+    )

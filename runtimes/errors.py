@@ -1,0 +1,226 @@
+"""The error taxonomy shared by every backend.
+
+Every error a runtime raises is a :class:`SandboxError`. Where a builtin exception
+describes the same situation, the sandbox error is also a subclass of it, so code
+written against the standard library (``except FileNotFoundError``) keeps working.
+
+The three errors callers most need to tell apart are never conflated:
+
+* :class:`SandboxFileNotFoundError` -- the sandbox is fine, the path is not there.
+* :class:`SandboxUnavailableError` -- the sandbox itself is gone (dead, stopped,
+  removed, closed, never started).
+* :class:`SandboxTransportError` -- the sandbox may be fine, the channel to it failed.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from typing import ClassVar
+
+__all__ = [
+    "ExecTimeoutError",
+    "OutputLimitExceededError",
+    "ProvisioningError",
+    "SandboxError",
+    "SandboxFileExistsError",
+    "SandboxFileNotFoundError",
+    "SandboxInvalidArgumentError",
+    "SandboxIsADirectoryError",
+    "SandboxNotADirectoryError",
+    "SandboxPermissionError",
+    "SandboxTransportError",
+    "SandboxUnavailableError",
+    "error_for_errno",
+]
+
+
+class SandboxError(Exception):
+    """Base of every error raised by a runtime."""
+
+
+class _SandboxOSError(SandboxError, OSError):
+    """A filesystem error inside the sandbox, shaped like the builtin ``OSError``.
+
+    ``errno``, ``strerror`` and ``filename`` are set, so ``str(err)`` reads like the
+    standard library's ``[Errno 2] No such file or directory: '/work/x'``.
+    """
+
+    default_errno: ClassVar[int] = 0
+
+    def __init__(self, filename: str, detail: str | None = None, *, code: int | None = None):
+        num = code if code is not None else self.default_errno
+        strerror = _errno_message(num)
+        if detail:
+            strerror = f"{strerror} ({detail})"
+        OSError.__init__(self, num, strerror, filename)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.filename, None), {"errno": self.errno, "strerror": self.strerror})
+
+
+def _errno_message(num: int) -> str:
+    import os
+
+    return os.strerror(num) if num else "error"
+
+
+class SandboxFileNotFoundError(_SandboxOSError, FileNotFoundError):
+    """The path does not exist in a live sandbox."""
+
+    default_errno = _errno.ENOENT
+
+
+class SandboxIsADirectoryError(_SandboxOSError, IsADirectoryError):
+    """A file operation was given a directory."""
+
+    default_errno = _errno.EISDIR
+
+
+class SandboxNotADirectoryError(_SandboxOSError, NotADirectoryError):
+    """A path component (or a directory operation's target) is not a directory."""
+
+    default_errno = _errno.ENOTDIR
+
+
+class SandboxPermissionError(_SandboxOSError, PermissionError):
+    """The path is not readable, writable or executable for the sandbox user."""
+
+    default_errno = _errno.EACCES
+
+
+class SandboxFileExistsError(_SandboxOSError, FileExistsError):
+    """The target exists and the operation refuses to replace it."""
+
+    default_errno = _errno.EEXIST
+
+
+class SandboxInvalidArgumentError(SandboxError, ValueError):
+    """An argument can never be valid: a NUL byte in a path, an empty argv, a bad env name."""
+
+
+class ExecTimeoutError(SandboxError, TimeoutError):
+    """``exec(timeout=...)`` expired, or the awaiting task was cancelled mid-exec.
+
+    The whole process tree inside the sandbox was killed before this was raised.
+    ``stdout_bytes`` / ``stderr_bytes`` hold the output captured up to that point.
+    """
+
+    def __init__(
+        self,
+        argv: list[str],
+        timeout: float | None,
+        stdout_bytes: bytes = b"",
+        stderr_bytes: bytes = b"",
+    ):
+        self.argv = argv
+        self.timeout = timeout
+        self.stdout_bytes = stdout_bytes
+        self.stderr_bytes = stderr_bytes
+        super().__init__(f"command {_short_argv(argv)} timed out after {timeout}s; process tree killed")
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", "replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", "replace")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.argv, self.timeout, self.stdout_bytes, self.stderr_bytes))
+
+
+class OutputLimitExceededError(SandboxError):
+    """Output of an exec, or the content of a read, went over its cap.
+
+    For exec the process tree was killed; ``stdout_bytes`` / ``stderr_bytes`` hold the
+    output kept (at most ``limit`` bytes together). For read, ``path`` is set and no
+    content is returned.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        limit: int,
+        *,
+        stdout_bytes: bytes = b"",
+        stderr_bytes: bytes = b"",
+        path: str | None = None,
+    ):
+        self.what = what
+        self.limit = limit
+        self.stdout_bytes = stdout_bytes
+        self.stderr_bytes = stderr_bytes
+        self.path = path
+        super().__init__(f"{what} exceeded the limit of {limit} bytes")
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", "replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", "replace")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_output_limit,
+            (self.what, self.limit, self.stdout_bytes, self.stderr_bytes, self.path),
+        )
+
+
+def _rebuild_output_limit(
+    what: str, limit: int, out: bytes, err: bytes, path: str | None
+) -> OutputLimitExceededError:
+    return OutputLimitExceededError(what, limit, stdout_bytes=out, stderr_bytes=err, path=path)
+
+
+class SandboxUnavailableError(SandboxError):
+    """The sandbox is dead, stopped, removed, closed or was never started.
+
+    Not a missing file and not a flaky connection: retrying the same call on the same
+    runtime will not help.
+    """
+
+
+class SandboxTransportError(SandboxError, ConnectionError):
+    """The channel to a (possibly live) sandbox failed.
+
+    Idempotent calls are retried with bounded backoff before this surfaces.
+    """
+
+
+class ProvisioningError(SandboxError):
+    """The sandbox could not be created: image missing, quota, authentication, bad host."""
+
+
+_ERRNO_CLASSES: dict[int, type[_SandboxOSError]] = {
+    _errno.ENOENT: SandboxFileNotFoundError,
+    _errno.EISDIR: SandboxIsADirectoryError,
+    _errno.ENOTDIR: SandboxNotADirectoryError,
+    _errno.EACCES: SandboxPermissionError,
+    _errno.EPERM: SandboxPermissionError,
+    _errno.EROFS: SandboxPermissionError,
+    _errno.EEXIST: SandboxFileExistsError,
+    _errno.ENOTEMPTY: SandboxFileExistsError,
+}
+
+
+def error_for_errno(num: int | None, filename: str, detail: str | None = None) -> SandboxError:
+    """Map an errno seen inside the sandbox to the typed error for ``filename``.
+
+    An errno with no typed counterpart becomes a plain :class:`SandboxError` that still
+    names the file and the errno, never a bare ``Exception``.
+    """
+    if num is not None and num in _ERRNO_CLASSES:
+        return _ERRNO_CLASSES[num](filename, detail, code=num)
+    text = _errno_message(num or 0)
+    suffix = f" ({detail})" if detail else ""
+    return SandboxError(f"[Errno {num}] {text}: {filename!r}{suffix}")
+
+
+def _short_argv(argv: list[str], limit: int = 120) -> str:
+    text = " ".join(argv)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return repr(text)

@@ -1,0 +1,121 @@
+"""Request and response models, kept apart from any transport."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+KiB = 1024
+MiB = 1024 * KiB
+
+DEFAULT_OUTPUT_LIMIT = 64 * MiB
+"""Default cap on stdout + stderr of one exec call."""
+
+DEFAULT_READ_LIMIT = 256 * MiB
+"""Default cap on the size of one ``read``."""
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    """One command, fully resolved by :class:`~runtimes.base.Runtime` before a backend sees it.
+
+    ``cwd`` is absolute; ``env`` is only what the caller (and the config) asked for, the
+    backend adds its own base environment; ``stdin`` of ``None`` means an empty stdin
+    that is closed at once.
+    """
+
+    argv: tuple[str, ...]
+    cwd: str
+    env: Mapping[str, str]
+    stdin: bytes | None
+    user: str | None
+    timeout: float | None
+    output_limit: int
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What a finished command produced.
+
+    ``exit_code`` is returned as the process gave it; a death by signal N is ``128 + N``.
+    ``stdout`` / ``stderr`` are UTF-8 with invalid bytes replaced; the ``*_bytes``
+    attributes are exact.
+    """
+
+    exit_code: int
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+    duration: float = 0.0
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", "replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", "replace")
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ExecResult(exit_code={self.exit_code}, stdout={_preview(self.stdout_bytes)}, "
+            f"stderr={_preview(self.stderr_bytes)}, duration={self.duration:.3f})"
+        )
+
+
+def _preview(data: bytes, limit: int = 80) -> str:
+    if len(data) <= limit:
+        return repr(data)
+    return f"{data[:limit]!r}... ({len(data)} bytes)"
+
+
+Stream = Literal["stdout", "stderr"]
+
+
+@dataclass
+class OutputSink:
+    """Collects the output of one exec under a shared cap.
+
+    Backends call :meth:`feed` as output arrives. When the cap is crossed the sink keeps
+    exactly ``limit`` bytes in total, marks itself ``overflowed`` and calls
+    ``on_overflow`` (the runtime uses it to cancel the call, which makes the backend
+    kill the process tree). ``feed`` then returns ``False``: the backend may stop reading.
+    """
+
+    limit: int
+    on_overflow: Callable[[], None] = lambda: None
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    overflowed: bool = False
+
+    @property
+    def size(self) -> int:
+        return len(self.stdout) + len(self.stderr)
+
+    def feed(self, stream: Stream, data: bytes) -> bool:
+        if self.overflowed:
+            return False
+        buf = self.stdout if stream == "stdout" else self.stderr
+        room = self.limit - self.size
+        if len(data) <= room:
+            buf += data
+            return True
+        buf += data[:room]
+        self.overflowed = True
+        self.on_overflow()
+        return False
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    """A sandbox as seen by a sweep: enough to decide whether it leaked and to remove it."""
+
+    backend: str
+    id: str
+    labels: Mapping[str, str]
+    state: str = "unknown"
+    created: str | None = None

@@ -1,0 +1,93 @@
+"""Who owns a sandbox: the labels every backend puts on what it creates.
+
+A *session* is one Python process using the suite. Every sandbox it creates carries
+labels naming the session, the host and the process (pid plus its start time, so a
+recycled pid is not mistaken for the owner). ``vf-sandbox cleanup`` uses them to find
+sandboxes whose session is dead.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import getpass
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+
+LABEL_PREFIX = "vf-sandbox."
+OWNER = LABEL_PREFIX + "owner"
+SESSION = LABEL_PREFIX + "session"
+CREATED = LABEL_PREFIX + "created"
+HOST = LABEL_PREFIX + "host"
+PID = LABEL_PREFIX + "pid"
+PID_START = LABEL_PREFIX + "pid-start"
+BACKEND = LABEL_PREFIX + "backend"
+
+SESSION_ID = uuid.uuid4().hex
+
+
+def _process_start_ticks(pid: int) -> str | None:
+    """The process start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    rest = stat[stat.rfind(b")") + 2 :].split()
+    return rest[19].decode() if len(rest) > 19 else None
+
+
+def _owner() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+def session_labels(backend: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Labels for a sandbox created now by this process."""
+    labels = {
+        OWNER: _owner(),
+        SESSION: SESSION_ID,
+        CREATED: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        HOST: socket.gethostname(),
+        PID: str(os.getpid()),
+        PID_START: _process_start_ticks(os.getpid()) or "",
+        BACKEND: backend,
+    }
+    if extra:
+        labels.update(extra)
+    return labels
+
+
+def session_is_dead(labels: Mapping[str, str]) -> bool | None:
+    """Whether the session that created a sandbox has ended.
+
+    ``None`` when it cannot be known from here (created on another host, or labels
+    missing); callers treat that as alive unless told otherwise.
+    """
+    if labels.get(SESSION) == SESSION_ID:
+        return False
+    if labels.get(HOST) != socket.gethostname():
+        return None
+    try:
+        pid = int(labels.get(PID, ""))
+    except ValueError:
+        return None
+    started = _process_start_ticks(pid)
+    if started is None:
+        return True
+    return bool(labels.get(PID_START)) and started != labels.get(PID_START)
+
+
+def created_at(labels: Mapping[str, str]) -> _dt.datetime | None:
+    text = labels.get(CREATED)
+    if not text:
+        return None
+    try:
+        return _dt.datetime.fromisoformat(text)
+    except ValueError:
+        return None
