@@ -24,9 +24,8 @@ import tarfile
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Self
@@ -133,8 +132,10 @@ class Runtime(abc.ABC):
     async def _close_quietly(self) -> None:
         try:
             await self.close()
-        except Exception:  # noqa: BLE001 - already failing; the original error wins
-            log.warning("closing %s after a failed start also failed", self.describe(), exc_info=True)
+        except Exception:
+            log.warning(
+                "closing %s after a failed start also failed", self.describe(), exc_info=True
+            )
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -326,8 +327,10 @@ class Runtime(abc.ABC):
         """
         self._check_open()
         source = Path(local)
-        if not source.exists():
-            raise FileNotFoundError(2, "No such file or directory (local upload source)", str(local))
+        if not await anyio.Path(source).exists():
+            raise FileNotFoundError(
+                2, "No such file or directory (local upload source)", str(local)
+            )
         resolved = self.resolve_path(remote)
         with self._guard("upload", resolved):
             await self._upload(source, resolved)
@@ -386,7 +389,9 @@ class Runtime(abc.ABC):
             raise SandboxInvalidArgumentError("empty argv")
         for arg in args:
             if not isinstance(arg, str):
-                raise SandboxInvalidArgumentError(f"argv items must be str, got {type(arg).__name__}")
+                raise SandboxInvalidArgumentError(
+                    f"argv items must be str, got {type(arg).__name__}"
+                )
             if "\x00" in arg:
                 raise SandboxInvalidArgumentError(f"argv item contains a NUL byte: {arg[:60]!r}")
         merged_env = dict(self.config.env)
@@ -475,7 +480,7 @@ class Runtime(abc.ABC):
             raise _shell_error(path, sink)
 
     async def _upload(self, source: Path, remote: str) -> None:
-        if source.is_file():
+        if await anyio.Path(source).is_file():
             await self._write(remote, await anyio.Path(source).read_bytes())
             return
         archive = await anyio.to_thread.run_sync(_tar_directory, source)
@@ -487,7 +492,13 @@ class Runtime(abc.ABC):
 
     async def _download(self, remote: str, local: Path) -> None:
         request, sink = self._internal(
-            ["sh", "-c", 'if [ -d "$1" ]; then exit 3; elif [ -e "$1" ]; then exit 4; else exit 2; fi', "sh", remote]
+            [
+                "sh",
+                "-c",
+                'if [ -d "$1" ]; then exit 3; elif [ -e "$1" ]; then exit 4; else exit 2; fi',
+                "sh",
+                remote,
+            ]
         )
         kind = await self._exec(request, sink)
         if kind == 2:
@@ -501,7 +512,9 @@ class Runtime(abc.ABC):
         )
         code = await self._exec(request, sink)
         if sink.overflowed:
-            raise OutputLimitExceededError(f"download of {remote!r}", self.config.read_limit, path=remote)
+            raise OutputLimitExceededError(
+                f"download of {remote!r}", self.config.read_limit, path=remote
+            )
         if code != 0:
             raise _shell_error(remote, sink)
         await anyio.to_thread.run_sync(_untar_into, bytes(sink.stdout), local)
@@ -589,15 +602,14 @@ def _write_local_file(local: Path, data: bytes) -> None:
 
 @contextmanager
 def _suppress_os_error() -> Iterator[None]:
-    try:
+    with suppress(OSError):
         yield
-    except OSError:
-        pass
 
 
 # ---------------------------------------------------------------------- atexit backstop
 
-_LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
+# Strong references on purpose: a runtime nobody closed must still be reachable at exit.
+_LIVE: set[Runtime] = set()
 _LIVE_LOCK = threading.Lock()
 
 
@@ -611,7 +623,7 @@ def _close_leftovers() -> None:
     for runtime in live_runtimes():
         try:
             runtime._close_at_exit()
-        except Exception:  # noqa: BLE001 - last resort at exit; cleanup sweeps what remains
+        except Exception:
             log.warning("atexit: could not close %s", runtime.describe(), exc_info=True)
 
 

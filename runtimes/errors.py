@@ -116,7 +116,9 @@ class ExecTimeoutError(SandboxError, TimeoutError):
         self.timeout = timeout
         self.stdout_bytes = stdout_bytes
         self.stderr_bytes = stderr_bytes
-        super().__init__(f"command {_short_argv(argv)} timed out after {timeout}s; process tree killed")
+        super().__init__(
+            f"command {_short_argv(argv)} timed out after {timeout}s; process tree killed"
+        )
 
     @property
     def stdout(self) -> str:

@@ -102,11 +102,14 @@ def resolve_runtime_config(config: RuntimeConfig | Mapping[str, Any] | str) -> R
         data = dict(config)
     else:
         raise RuntimeConfigError(
-            f"a runtime config is a config model, a dict or a type name, not {type(config).__name__}"
+            "a runtime config is a config model, a dict or a type name, "
+            f"not {type(config).__name__}"
         )
     type_name = data.get("type")
     if not isinstance(type_name, str) or not type_name:
-        raise RuntimeConfigError("runtime config has no 'type' (for example 'subprocess' or 'docker')")
+        raise RuntimeConfigError(
+            "runtime config has no 'type' (for example 'subprocess' or 'docker')"
+        )
     model = load_runtime_class(type_name).config_model
     try:
         return model.model_validate(data)

@@ -95,7 +95,9 @@ class SubprocessRuntime(Runtime):
         try:
             root.mkdir(parents=True, exist_ok=True)
             self._dir = Path(tempfile.mkdtemp(prefix="sbx-", dir=root))
-            meta = {"labels": session.session_labels(self.name, self.config.labels)}
+            meta: dict[str, object] = {
+                "labels": session.session_labels(self.name, self.config.labels)
+            }
             if self.config.workdir:
                 self._owns_workdir = False
                 workdir = Path(self.config.workdir).absolute()
@@ -108,7 +110,9 @@ class SubprocessRuntime(Runtime):
         except OSError as exc:
             from .errors import ProvisioningError
 
-            raise ProvisioningError(f"cannot create a sandbox directory under {root}: {exc}") from exc
+            raise ProvisioningError(
+                f"cannot create a sandbox directory under {root}: {exc}"
+            ) from exc
         return str(workdir)
 
     async def _close(self) -> None:
@@ -127,7 +131,7 @@ class SubprocessRuntime(Runtime):
         self._state = "closed"
 
     async def _alive(self) -> bool:
-        return self._workdir is not None and os.path.isdir(self._workdir)
+        return self._workdir is not None and await anyio.Path(self._workdir).is_dir()
 
     # ------------------------------------------------------------------ exec
 
@@ -246,7 +250,12 @@ async def _feed_stdin(process: anyio.abc.Process, data: bytes | None) -> None:
         view = memoryview(data or b"")
         for offset in range(0, len(view), _READ_CHUNK):
             await stream.send(bytes(view[offset : offset + _READ_CHUNK]))
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError, BrokenPipeError, ConnectionResetError):
+    except (
+        anyio.BrokenResourceError,
+        anyio.ClosedResourceError,
+        BrokenPipeError,
+        ConnectionResetError,
+    ):
         pass  # the process exited or closed its stdin without reading everything
     finally:
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
@@ -271,7 +280,8 @@ def _spawn_error(exc: OSError, request: ExecRequest) -> SandboxError:
     if exc.errno == errno.E2BIG:
         size = sum(len(a.encode()) + 1 for a in request.argv)
         return SandboxInvalidArgumentError(
-            f"argument list too long for the kernel ({size} bytes); pass large data through stdin or a file"
+            f"argument list too long for the kernel ({size} bytes); "
+            "pass large data through stdin or a file"
         )
     filename = exc.filename if isinstance(exc.filename, str) else request.argv[0]
     return error_for_errno(exc.errno, filename, exc.strerror)
@@ -301,7 +311,9 @@ def _write_file(path: str, data: bytes) -> None:
         with open(path, "wb") as fh:
             fh.write(data)
     except FileExistsError as exc:  # a parent exists as a file: makedirs says EEXIST
-        raise error_for_errno(errno.ENOTDIR, path, f"parent is not a directory: {exc.filename}") from None
+        raise error_for_errno(
+            errno.ENOTDIR, path, f"parent is not a directory: {exc.filename}"
+        ) from None
     except OSError as exc:
         if isinstance(exc, SandboxError):
             raise
@@ -368,7 +380,7 @@ def _make_writable(directory: Path) -> None:
 
 
 def _scan_root(root: Path) -> list[SandboxInfo]:
-    found = []
+    found: list[SandboxInfo] = []
     if not root.is_dir():
         return found
     for entry in sorted(root.iterdir()):

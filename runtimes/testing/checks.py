@@ -37,7 +37,7 @@ from ..models import MiB
 CheckFn = Callable[[Runtime], Awaitable[None]]
 
 
-class CheckSkipped(Exception):  # noqa: N818 - reads as a reason, like pytest's Skipped
+class CheckSkipped(Exception):
     """The check does not apply to this sandbox; the message says why."""
 
 
@@ -67,11 +67,7 @@ def _token() -> str:
 
 async def _processes_matching(rt: Runtime, token: str) -> list[str]:
     result = await rt.exec(["ps", "-eo", "pid,args"], timeout=30)
-    return [
-        line
-        for line in result.stdout.splitlines()
-        if token in line and "ps -eo" not in line
-    ]
+    return [line for line in result.stdout.splitlines() if token in line and "ps -eo" not in line]
 
 
 async def _assert_no_process(rt: Runtime, token: str) -> None:
@@ -127,7 +123,9 @@ async def check_stdout_exact(rt: Runtime) -> None:
 @check
 async def check_stderr_separate(rt: Runtime) -> None:
     """stdout and stderr are kept apart."""
-    result = await rt.exec(["sh", "-c", "printf out1; printf err1 >&2; printf out2; printf err2 >&2"])
+    result = await rt.exec(
+        ["sh", "-c", "printf out1; printf err1 >&2; printf out2; printf err2 >&2"]
+    )
     assert result.stdout_bytes == b"out1out2", result
     assert result.stderr_bytes == b"err1err2", result
 
@@ -135,7 +133,9 @@ async def check_stderr_separate(rt: Runtime) -> None:
 @check
 async def check_large_output_both_streams(rt: Runtime) -> None:
     """2 MiB on each stream at once arrives whole (no pipe deadlock)."""
-    script = "head -c 2097152 /dev/zero | tr '\\0' o & head -c 2097152 /dev/zero | tr '\\0' e >&2; wait"
+    script = (
+        "head -c 2097152 /dev/zero | tr '\\0' o & head -c 2097152 /dev/zero | tr '\\0' e >&2; wait"
+    )
     result = await rt.exec(["sh", "-c", script], timeout=60)
     assert result.stdout_bytes == b"o" * 2 * MiB, len(result.stdout_bytes)
     assert result.stderr_bytes == b"e" * 2 * MiB, len(result.stderr_bytes)
@@ -190,7 +190,10 @@ async def check_timeout_kills_tree(rt: Runtime) -> None:
     token = _token()
     await _raises(
         ExecTimeoutError,
-        rt.exec(["sh", "-c", f"sleep {token} & sh -c 'sleep {token}' & sleep {token}; wait"], timeout=1.5),
+        rt.exec(
+            ["sh", "-c", f"sleep {token} & sh -c 'sleep {token}' & sleep {token}; wait"],
+            timeout=1.5,
+        ),
     )
     await _assert_no_process(rt, token)
 
@@ -218,7 +221,9 @@ async def check_fast_command_not_timed_out(rt: Runtime) -> None:
 async def check_background_process_keeps_running(rt: Runtime) -> None:
     """A daemon a command starts with its output redirected survives that command."""
     token = _token()
-    result = await rt.exec(["sh", "-c", f"nohup sleep {token} >/dev/null 2>&1 </dev/null & echo ok"], timeout=20)
+    result = await rt.exec(
+        ["sh", "-c", f"nohup sleep {token} >/dev/null 2>&1 </dev/null & echo ok"], timeout=20
+    )
     assert result.stdout == "ok\n", result
     assert await _processes_matching(rt, token), "the background process should still run"
     await rt.exec(["pkill", "-f", f"sleep {token}"])
@@ -231,7 +236,9 @@ async def check_background_process_keeps_running(rt: Runtime) -> None:
 async def check_env(rt: Runtime) -> None:
     """env= adds variables for that call only; values are exact (spaces, empty, unicode)."""
     env = {"VF_A": "x y  z", "VF_EMPTY": "", "VF_U": "ünï\tcode"}
-    result = await rt.exec(["sh", "-c", 'printf "%s|%s|%s|%s" "$VF_A" "${VF_EMPTY-unset}" "$VF_U" "$HOME"'], env=env)
+    result = await rt.exec(
+        ["sh", "-c", 'printf "%s|%s|%s|%s" "$VF_A" "${VF_EMPTY-unset}" "$VF_U" "$HOME"'], env=env
+    )
     out = result.stdout.split("|")
     assert out[:3] == ["x y  z", "", "ünï\tcode"], result
     again = await rt.exec(["sh", "-c", 'printf "%s" "${VF_A-unset}"'])
@@ -332,7 +339,9 @@ async def check_concurrent_execs(rt: Runtime) -> None:
     results: dict[int, str] = {}
 
     async def one(i: int) -> None:
-        result = await rt.exec(["sh", "-c", f"sleep 0.{i % 3}; echo {i}; echo e{i} >&2"], timeout=60)
+        result = await rt.exec(
+            ["sh", "-c", f"sleep 0.{i % 3}; echo {i}; echo e{i} >&2"], timeout=60
+        )
         assert result.stderr == f"e{i}\n", result
         results[i] = result.stdout
 
@@ -400,7 +409,7 @@ async def check_non_executable_program(rt: Runtime) -> None:
 async def check_invalid_argv(rt: Runtime) -> None:
     """Empty argv, a shell string, and NUL bytes are SandboxInvalidArgumentError."""
     await _raises(SandboxInvalidArgumentError, rt.exec([]))
-    await _raises(SandboxInvalidArgumentError, rt.exec("echo hi"))  # type: ignore[arg-type]
+    await _raises(SandboxInvalidArgumentError, rt.exec("echo hi"))
     await _raises(SandboxInvalidArgumentError, rt.exec(["echo", "a\x00b"]))
 
 
@@ -470,13 +479,24 @@ async def check_file_50mib(rt: Runtime) -> None:
 async def check_file_special_names(rt: Runtime) -> None:
     """Names with spaces, quotes, newlines, unicode and leading dashes round-trip."""
     base = await _scratch(rt)
-    names = ["with space", "it's", 'say "hi"', "new\nline", "ünïcødé", "-dash", "$dollar", "back\\slash"]
+    names = [
+        "with space",
+        "it's",
+        'say "hi"',
+        "new\nline",
+        "ünïcødé",
+        "-dash",
+        "$dollar",
+        "back\\slash",
+    ]
     for i, name in enumerate(names):
         await rt.write(f"{base}/{name}", f"content {i}".encode())
     for i, name in enumerate(names):
         assert await rt.read(f"{base}/{name}") == f"content {i}".encode(), name
         assert await rt.exists(f"{base}/{name}"), name
-    listing = await rt.exec(["sh", "-c", 'cd "$1" && for f in *; do printf "%s\\0" "$f"; done', "sh", base])
+    listing = await rt.exec(
+        ["sh", "-c", 'cd "$1" && for f in *; do printf "%s\\0" "$f"; done', "sh", base]
+    )
     assert sorted(listing.stdout_bytes.decode().split("\0")[:-1]) == sorted(names), listing
 
 
@@ -672,11 +692,7 @@ def _make_local_tree(root: Path) -> dict[str, bytes]:
 
 
 def _read_local_tree(root: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(root)): p.read_bytes()
-        for p in root.rglob("*")
-        if p.is_file()
-    }
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 @check

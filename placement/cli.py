@@ -1,0 +1,207 @@
+"""The ``vf-sandbox`` command.
+
+Subcommands: ``check`` (the conformance suite against any backend), ``cleanup``
+(sweep leaked sandboxes), ``ls`` (labelled sandboxes of every backend), ``doctor``
+(which backends work here, and why not), ``exec`` (one command in a fresh sandbox).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from runtimes import (
+    RuntimeConfig,
+    SandboxError,
+    available_runtimes,
+    load_runtime_class,
+    open_runtime,
+    resolve_runtime_config,
+)
+from runtimes.cleanup import cleanup_sandboxes
+
+
+def parse_runtime(text: str) -> RuntimeConfig:
+    """A runtime given on the command line: a JSON object, or a bare type name."""
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            data: Any = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise SandboxError(f"--runtime is not valid JSON: {exc}") from None
+        return resolve_runtime_config(data)
+    return resolve_runtime_config(stripped)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+# ---------------------------------------------------------------------- check
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from runtimes.testing import run_conformance
+
+    config = parse_runtime(args.runtime)
+    outcomes = run_conformance(config, backend=args.backend, select=args.select or None)
+    print_table(
+        ["check", "result", "seconds", "detail"],
+        [(o.name, o.status.upper(), f"{o.seconds:.2f}", o.detail[:100]) for o in outcomes],
+    )
+    passed = sum(o.status == "pass" for o in outcomes)
+    failed = sum(o.status == "fail" for o in outcomes)
+    skipped = sum(o.status == "skip" for o in outcomes)
+    print(f"\n{config.type}: {passed} passed, {failed} failed, {skipped} skipped")
+    return 1 if failed or not outcomes else 0
+
+
+# ---------------------------------------------------------------------- cleanup / ls
+
+
+def _targets(runtimes: list[str] | None) -> list[RuntimeConfig | str] | None:
+    if not runtimes:
+        return None
+    return [parse_runtime(r) if r.strip().startswith("{") else r for r in runtimes]
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    results = anyio.run(
+        lambda: cleanup_sandboxes(
+            _targets(args.runtime),
+            all_sessions=args.all,
+            older_than=args.older_than,
+            dry_run=args.dry_run,
+        )
+    )
+    print_table(
+        ["backend", "sandbox", "action", "reason"],
+        [(r.info.backend, r.info.id[:24], r.action, r.reason) for r in results],
+    )
+    removed = sum(r.action == "removed" for r in results)
+    failed = sum(r.action == "failed" for r in results)
+    print(f"\n{removed} removed, {failed} failed, {len(results) - removed - failed} kept")
+    return 1 if failed else 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from runtimes import session
+
+    async def gather() -> list[tuple[str, str, str, str, str]]:
+        rows = []
+        for target in _targets(args.runtime) or list(available_runtimes()):
+            config = None if isinstance(target, str) else target
+            name = target if isinstance(target, str) else target.type
+            try:
+                found = await load_runtime_class(name).list_sandboxes(config)
+            except SandboxError as exc:
+                print(f"{name}: not listed ({exc})", file=sys.stderr)
+                continue
+            for info in found:
+                dead = session.session_is_dead(info.labels)
+                status = {True: "dead", False: "alive", None: "unknown"}[dead]
+                rows.append((info.backend, info.id[:24], info.state, info.created or "", status))
+        return rows
+
+    rows = anyio.run(gather)
+    print_table(["backend", "sandbox", "state", "created", "session"], rows)
+    return 0
+
+
+# ---------------------------------------------------------------------- doctor
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    async def probe(name: str) -> tuple[str, str]:
+        try:
+            with anyio.fail_after(args.timeout):
+                async with open_runtime(name) as rt:
+                    result = await rt.exec(["true"], timeout=args.timeout)
+            return ("ok", f"exec exit {result.exit_code}")
+        except SandboxError as exc:
+            return ("unavailable", f"{type(exc).__name__}: {exc}".splitlines()[0][:120])
+        except TimeoutError:
+            return ("unavailable", f"no answer within {args.timeout}s")
+
+    rows = []
+    for name, plugin in available_runtimes().items():
+        status, why = anyio.run(probe, name)
+        rows.append((name, plugin.distribution, status, why))
+    print_table(["backend", "package", "status", "detail"], rows)
+    return 0
+
+
+# ---------------------------------------------------------------------- exec
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    async def run() -> int:
+        async with open_runtime(parse_runtime(args.runtime)) as rt:
+            result = await rt.exec(args.argv, timeout=args.timeout)
+        sys.stdout.buffer.write(result.stdout_bytes)
+        sys.stderr.buffer.write(result.stderr_bytes)
+        return result.exit_code
+
+    return anyio.run(run)
+
+
+# ---------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vf-sandbox", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    check = sub.add_parser("check", help="run the conformance suite against a backend")
+    check.add_argument("--runtime", required=True, help="a type name or a JSON config")
+    check.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    check.add_argument("--select", action="append", help="run only this check (repeatable)")
+    check.set_defaults(func=cmd_check)
+
+    cleanup = sub.add_parser("cleanup", help="remove sandboxes whose session is dead")
+    cleanup.add_argument("--runtime", action="append", help="type name or JSON config (repeatable)")
+    cleanup.add_argument("--all", action="store_true", help="remove every labelled sandbox")
+    cleanup.add_argument("--older-than", type=float, metavar="SECONDS")
+    cleanup.add_argument("--dry-run", action="store_true")
+    cleanup.set_defaults(func=cmd_cleanup)
+
+    ls = sub.add_parser("ls", help="list labelled sandboxes of every backend")
+    ls.add_argument("--runtime", action="append")
+    ls.set_defaults(func=cmd_ls)
+
+    doctor = sub.add_parser("doctor", help="which backends work on this machine, and why not")
+    doctor.add_argument("--timeout", type=float, default=60.0)
+    doctor.set_defaults(func=cmd_doctor)
+
+    exec_ = sub.add_parser("exec", help="run one command in a fresh sandbox")
+    exec_.add_argument("--runtime", default="subprocess")
+    exec_.add_argument("--timeout", type=float)
+    exec_.add_argument("argv", nargs=argparse.REMAINDER)
+    exec_.set_defaults(func=cmd_exec)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "argv", None) is not None:
+        args.argv = [a for a in args.argv if a != "--"] if args.argv[:1] == ["--"] else args.argv
+    try:
+        code: int = args.func(args)
+    except SandboxError as exc:
+        print(f"vf-sandbox: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

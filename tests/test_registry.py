@@ -1,0 +1,76 @@
+"""Configs and the plugin registry: resolution, validation errors, broken plugins."""
+
+import anyio
+import pytest
+
+from runtimes import (
+    RuntimeConfigError,
+    RuntimePluginError,
+    SubprocessConfig,
+    UnknownRuntimeError,
+    available_runtimes,
+    open_runtime,
+    resolve_runtime_config,
+    runtime_is_local,
+)
+from runtimes.subprocess import SubprocessRuntime
+
+
+def test_resolve_accepts_model_dict_and_type_name() -> None:
+    model = SubprocessConfig(env={"A": "1"})
+    assert resolve_runtime_config(model) is model
+    from_dict = resolve_runtime_config({"type": "subprocess", "env": {"A": "1"}})
+    assert from_dict == model
+    assert resolve_runtime_config("subprocess") == SubprocessConfig()
+
+
+def test_builtins_are_registered_through_entry_points() -> None:
+    found = available_runtimes()
+    assert found["subprocess"].value == "runtimes.subprocess:SubprocessRuntime"
+    assert found["subprocess"].distribution == "vf-sandbox"
+    assert found["echo"].distribution == "vf-sandbox-echo"
+
+
+def test_malformed_config_names_the_field() -> None:
+    with pytest.raises(RuntimeConfigError) as info:
+        resolve_runtime_config({"type": "subprocess", "output_limit": "lots", "bogus": 1})
+    message = str(info.value)
+    assert "output_limit" in message and "bogus" in message
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(RuntimeConfigError, match="no 'type'"):
+        resolve_runtime_config({"image": "x"})
+    with pytest.raises(RuntimeConfigError):
+        resolve_runtime_config(42)  # type: ignore[arg-type]
+
+
+def test_unknown_type_lists_what_is_registered() -> None:
+    with pytest.raises(UnknownRuntimeError, match=r"registered: .*subprocess"):
+        resolve_runtime_config("no-such-backend")
+
+
+def test_broken_plugin_is_named_and_breaks_nothing_else() -> None:
+    assert "broken" in available_runtimes()  # listing imports nothing
+    with pytest.raises(RuntimePluginError) as info:
+        open_runtime({"type": "broken"})
+    assert "vf-sandbox-broken" in str(info.value)
+    assert "simulated import failure" in str(info.value)
+    assert isinstance(info.value, ImportError)
+    # every other backend still resolves and runs
+    assert resolve_runtime_config("echo").type == "echo"
+
+    async def body() -> None:
+        async with open_runtime("subprocess") as rt:
+            assert (await rt.exec(["echo", "ok"])).stdout == "ok\n"
+
+    anyio.run(body)
+
+
+def test_runtime_is_local() -> None:
+    assert runtime_is_local("subprocess") is True
+    assert runtime_is_local({"type": "echo"}) is False
+
+
+def test_open_runtime_returns_unstarted_runtime() -> None:
+    rt = open_runtime("subprocess")
+    assert isinstance(rt, SubprocessRuntime)
+    assert not rt.closed

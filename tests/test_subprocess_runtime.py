@@ -1,0 +1,252 @@
+"""Behaviour specific to the subprocess runtime: private workdirs, process groups,
+non-root permission errors, leaks after SIGKILL, the atexit backstop, cancellation."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from runtimes import SandboxUnavailableError, SubprocessConfig, open_runtime
+from runtimes.cleanup import cleanup_sandboxes
+from runtimes.subprocess import SubprocessRuntime
+from runtimes.testing import run_conformance
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
+
+
+def _pids_running(token: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if token in line]
+
+
+def test_workdir_is_private_and_removed_on_close(tmp_path: Path) -> None:
+    async def body() -> tuple[str, str]:
+        async with (
+            open_runtime(SubprocessConfig(root=str(tmp_path))) as a,
+            open_runtime(SubprocessConfig(root=str(tmp_path))) as b,
+        ):
+            assert a.workdir != b.workdir
+            await a.write("only-in-a", b"x")
+            assert not await b.exists("only-in-a")
+            return a.workdir, b.workdir
+
+    first, second = anyio.run(body)
+    assert not os.path.exists(first) and not os.path.exists(second)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_each_command_gets_its_own_process_group() -> None:
+    async def body() -> list[str]:
+        async with open_runtime("subprocess") as rt:
+            results = [await rt.exec(["sh", "-c", "ps -o pgid= -p $$"]) for _ in range(2)]
+        return [r.stdout.strip() for r in results]
+
+    groups = anyio.run(body)
+    assert len(set(groups)) == 2
+    assert str(os.getpgid(0)) not in groups
+
+
+def test_close_kills_background_processes_left_running() -> None:
+    token = "777.424242"
+
+    async def body() -> None:
+        async with open_runtime("subprocess") as rt:
+            await rt.exec(["sh", "-c", f"nohup sleep {token} >/dev/null 2>&1 &"])
+            assert _pids_running(token)
+
+    anyio.run(body)
+    deadline = time.monotonic() + 5
+    while _pids_running(token) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pids_running(token)
+
+
+def test_workdir_given_by_user_is_used_and_kept(tmp_path: Path) -> None:
+    target = tmp_path / "mine"
+
+    async def body() -> None:
+        async with open_runtime(
+            SubprocessConfig(workdir=str(target), root=str(tmp_path / "r"))
+        ) as rt:
+            assert rt.workdir == str(target)
+            await rt.write("kept.txt", b"k")
+
+    anyio.run(body)
+    assert (target / "kept.txt").read_bytes() == b"k"
+
+
+@ROOT_ONLY
+def test_permission_checks_as_non_root() -> None:
+    """The root-only-skipped conformance checks, run for real as `nobody` in a forked child."""
+    root = Path(tempfile.mkdtemp(prefix="vf-nonroot-"))  # pytest's tmp_path is root-only
+    root.chmod(0o777)
+    nobody = pwd.getpwnam("nobody")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: drop privileges, run the checks, report as JSON
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            outcomes = run_conformance(
+                SubprocessConfig(root=str(root)),
+                select=["unreadable_file", "unwritable_directory", "user", "read_missing"],
+            )
+            payload = json.dumps([[o.name, o.status, o.detail] for o in outcomes]).encode()
+            os.write(write_end, payload)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as fh:
+        data = fh.read()
+    os.waitpid(pid, 0)
+    shutil.rmtree(root, ignore_errors=True)
+    outcomes = {name: (status, detail) for name, status, detail in json.loads(data)}
+    assert outcomes == {
+        "unreadable_file": ("pass", ""),
+        "unwritable_directory": ("pass", ""),
+        "user": ("pass", ""),
+        "read_missing": ("pass", ""),
+    }
+
+
+@ROOT_ONLY
+def test_user_switch_as_root() -> None:
+    async def body() -> str:
+        async with open_runtime("subprocess") as rt:
+            return (await rt.exec(["id", "-un"], user="nobody")).stdout.strip()
+
+    assert anyio.run(body) == "nobody"
+
+
+_HOLDER = textwrap.dedent(
+    """
+    import sys, anyio
+    from runtimes import SubprocessConfig, open_runtime
+
+    async def main():
+        runtimes = [open_runtime(SubprocessConfig(root=sys.argv[1])) for _ in range(5)]
+        for rt in runtimes:
+            await rt.start()
+            await rt.exec(["sh", "-c", "nohup sleep 655.31337 >/dev/null 2>&1 &"])
+        print("READY", flush=True)
+        await anyio.sleep(600)
+
+    anyio.run(main)
+    """
+)
+
+
+def test_sigkilled_holder_leaks_nothing_after_cleanup(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "READY"
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert len(list(tmp_path.iterdir())) == 5
+    assert _pids_running("655.31337")
+
+    config = SubprocessConfig(root=str(tmp_path))
+    results = anyio.run(lambda: cleanup_sandboxes([config]))
+    assert [r.action for r in results] == ["removed"] * 5
+    assert list(tmp_path.iterdir()) == []
+    deadline = time.monotonic() + 5
+    while _pids_running("655.31337") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pids_running("655.31337")
+
+
+def test_cleanup_keeps_sandboxes_of_live_sessions(tmp_path: Path) -> None:
+    config = SubprocessConfig(root=str(tmp_path))
+
+    async def body() -> list[str]:
+        async with open_runtime(config):
+            return [r.action for r in await cleanup_sandboxes([config])]
+
+    assert anyio.run(body) == ["kept"]
+
+
+def test_atexit_backstop_closes_forgotten_runtimes(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import anyio
+        from runtimes import SubprocessConfig, open_runtime
+        async def main():
+            rt = open_runtime(SubprocessConfig(root={str(tmp_path)!r}))
+            await rt.start()
+            await rt.exec(["sh", "-c", "nohup sleep 655.4242 >/dev/null 2>&1 &"])
+            print(rt.workdir)
+        anyio.run(main)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().startswith(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    assert not _pids_running("655.4242")
+
+
+def test_cancelled_start_leaves_nothing(tmp_path: Path) -> None:
+    async def body() -> SubprocessRuntime:
+        rt = open_runtime(SubprocessConfig(root=str(tmp_path)))
+        assert isinstance(rt, SubprocessRuntime)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await rt.start()
+        return rt
+
+    rt = anyio.run(body)
+    assert rt.closed
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_close_from_cancelled_task_still_cleans_up(tmp_path: Path) -> None:
+    async def body() -> None:
+        rt = open_runtime(SubprocessConfig(root=str(tmp_path)))
+        await rt.start()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await rt.close()
+        assert rt.closed
+
+    anyio.run(body)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_operations_before_start_are_unavailable() -> None:
+    rt = open_runtime("subprocess")
+    with pytest.raises(SandboxUnavailableError, match="never started"):
+        anyio.run(lambda: rt.exec(["true"]))
+
+
+def test_huge_argv_is_a_typed_error_not_a_crash() -> None:
+    from runtimes import SandboxInvalidArgumentError
+
+    async def body() -> None:
+        async with open_runtime("subprocess") as rt:
+            with pytest.raises(SandboxInvalidArgumentError, match="too long"):
+                await rt.exec(["true", *(["x" * 100_000] * 100)])
+
+    anyio.run(body)
+
+
+def test_tempdir_default_root_is_under_tmp() -> None:
+    from runtimes.subprocess import default_root
+
+    assert default_root().startswith(tempfile.gettempdir())
