@@ -81,11 +81,12 @@ test: install images lint typecheck
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # --- demo and benchmarks -----------------------------------------------------------------------------------
-# Until placement lands (judging a recorded rollout), the main job is the conformance
-# check of the embedded default runtime plus a report of which backends work here.
+# The main job: judge the example rollout on the subprocess runtime. Offline, the judges'
+# model replies come from examples/scripted.json (labelled SCRIPTED in the output); with
+# OPENAI_BASE_URL set, the same code path calls that endpoint instead.
 demo: install
-	$(VENV)/bin/vf-sandbox check --runtime subprocess
-	$(VENV)/bin/vf-sandbox doctor
+	$(VENV)/bin/vf-sandbox judge examples/rollout --judges examples/judges.yaml \
+	  --scripted examples/scripted.json --out agent-runs.json
 
 bench: install images
 	$(VENV)/bin/python -m benchmarks

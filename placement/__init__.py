@@ -1,5 +1,47 @@
-"""vf-sandbox placement: judges and agents placed into rollout or clean-room sandboxes.
+"""vf-sandbox placement: agents and judges placed into rollout or clean-room sandboxes.
 
-The top layer. For now it holds the ``vf-sandbox`` command line; agent and judge
-placement arrives with its own issue.
+The top layer: :class:`AgentSpec` / :class:`JudgeSpec`, :func:`run_agent`,
+:func:`run_judges`, the judge input snapshot under ``/tmp/vf-agent/<id>/``, verdict
+collection with strict typed failures, and the ``vf-sandbox`` command line.
 """
+
+from .errors import (
+    InputTamperError,
+    JudgeBudgetExceeded,
+    JudgeError,
+    JudgeInputsTampered,
+    JudgeModelFailed,
+    JudgeSandboxLost,
+    JudgingFailed,
+    PlacementConfigError,
+    PlacementError,
+    VerdictInvalid,
+    VerdictMissing,
+)
+from .inputs import INPUTS_ROOT, Snapshot, materialise, render_transcript
+from .run import AgentRun, run_agent, run_judges
+from .specs import AgentSpec, JudgeSpec, load_judges
+
+__all__ = [
+    "INPUTS_ROOT",
+    "AgentRun",
+    "AgentSpec",
+    "InputTamperError",
+    "JudgeBudgetExceeded",
+    "JudgeError",
+    "JudgeInputsTampered",
+    "JudgeModelFailed",
+    "JudgeSandboxLost",
+    "JudgeSpec",
+    "JudgingFailed",
+    "PlacementConfigError",
+    "PlacementError",
+    "Snapshot",
+    "VerdictInvalid",
+    "VerdictMissing",
+    "load_judges",
+    "materialise",
+    "render_transcript",
+    "run_agent",
+    "run_judges",
+]

@@ -1,20 +1,25 @@
 """The ``vf-sandbox`` command.
 
-Subcommands: ``check`` (the conformance suite against any backend), ``cleanup``
-(sweep leaked sandboxes), ``ls`` (labelled sandboxes of every backend), ``doctor``
-(which backends work here, and why not), ``exec`` (one command in a fresh sandbox).
+Its main job is ``judge``: judge a recorded rollout with the judges of a file, print a
+verdict table and write every agent run as JSON. Other subcommands: ``check`` (the
+conformance suite against any backend), ``cleanup`` (sweep leaked sandboxes), ``ls``
+(labelled sandboxes of every backend), ``doctor`` (which backends work here, and why
+not), ``exec`` (one command in a fresh sandbox).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
 
+from harnesses.errors import HarnessError, ModelError
 from runtimes import (
     RuntimeConfig,
     SandboxError,
@@ -24,6 +29,8 @@ from runtimes import (
     resolve_runtime_config,
 )
 from runtimes.cleanup import cleanup_sandboxes
+
+from .errors import PlacementError
 
 
 def parse_runtime(text: str) -> RuntimeConfig:
@@ -155,12 +162,74 @@ def cmd_exec(args: argparse.Namespace) -> int:
     return anyio.run(run)
 
 
+# ---------------------------------------------------------------------- judge
+
+
+def cmd_judge(args: argparse.Namespace) -> int:
+    from harnesses.models import ModelTable
+
+    from .rollout import environment_models, judge_rollout, load_rollout, scripted_models
+    from .run import AgentRun
+    from .specs import load_judges
+
+    rollout = load_rollout(args.rollout)
+    judges = load_judges(args.judges)
+    runtime = parse_runtime(args.runtime)
+
+    def progress(run: AgentRun) -> None:
+        status = "ok" if run.ok else f"FAILED ({run.error_type})"
+        print(f"  judge {run.name}: {status} in {run.seconds:.1f}s", file=sys.stderr, flush=True)
+
+    def judge(specs: list[Any], models: ModelTable, label: str) -> list[AgentRun]:
+        print(
+            f"judging {args.rollout} with {len(specs)} judges on {runtime.type} ({label})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return anyio.run(lambda: judge_rollout(rollout, specs, models, runtime, progress))
+
+    if args.models:
+        runs = judge(judges, ModelTable.from_file(args.models), f"models from {args.models}")
+    elif os.environ.get("OPENAI_BASE_URL"):
+        runs = judge(judges, environment_models(judges, os.environ), "OPENAI_BASE_URL")
+    elif args.scripted:
+        with scripted_models(judges, args.scripted) as (specs, models):
+            runs = judge(specs, models, f"SCRIPTED model replies from {args.scripted}")
+    else:
+        raise SandboxError("no model: pass --models FILE, set OPENAI_BASE_URL, or --scripted FILE")
+    print_table(
+        ["judge", "placement", "verdict", "error"],
+        [
+            (
+                r.name,
+                r.placement,
+                json.dumps(r.verdict) if r.verdict is not None else "-",
+                f"{r.error_type}: {r.error}"[:90] if r.error else "",
+            )
+            for r in runs
+        ],
+    )
+    out = Path(args.out)
+    out.write_text(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
+    print(f"\nagent runs written to {out}", file=sys.stderr)
+    return 0 if all(r.ok for r in runs) else 1
+
+
 # ---------------------------------------------------------------------- main
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vf-sandbox", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    judge = sub.add_parser("judge", help="judge a recorded rollout (the main job)")
+    judge.add_argument("rollout", help="rollout directory: task.json, trace.json, files/")
+    judge.add_argument("--judges", required=True, help="YAML/JSON file of judge specs")
+    judge.add_argument("--runtime", default="subprocess", help="where the rollout's world lives")
+    judge.add_argument("--models", help="YAML/JSON model table")
+    judge.add_argument("--scripted", help="offline: a JSON file of scripted replies per judge")
+    judge.add_argument("--out", default="agent-runs.json", help="where to write the runs")
+    judge.set_defaults(func=cmd_judge)
 
     check = sub.add_parser("check", help="run the conformance suite against a backend")
     check.add_argument("--runtime", required=True, help="a type name or a JSON config")
@@ -197,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = [a for a in args.argv if a != "--"] if args.argv[:1] == ["--"] else args.argv
     try:
         code: int = args.func(args)
-    except SandboxError as exc:
+    except (SandboxError, PlacementError, HarnessError, ModelError) as exc:
         print(f"vf-sandbox: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     return code

@@ -24,6 +24,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -49,6 +50,28 @@ log = logging.getLogger("runtimes")
 PathLike = str | os.PathLike[str]
 
 _NEW, _STARTING, _OPEN, _CLOSING, _CLOSED = "new", "starting", "open", "closing", "closed"
+
+MARK_VAR = "VF_SANDBOX_RUNTIME"
+"""Every command a runtime starts carries ``VF_SANDBOX_RUNTIME=<runtime mark>`` in its
+environment, so :meth:`Runtime.stop_processes` can find what is left of them."""
+
+_STOP_SCRIPT = r"""
+mark="$1=$2"; total=0
+for round in 1 2 3 4 5; do
+  found=0
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    [ "$p" = "$$" ] && continue
+    if tr '\0' '\n' < "$d/environ" 2>/dev/null | grep -qxF -- "$mark"; then
+      kill -KILL "$p" 2>/dev/null && found=$((found + 1))
+    fi
+  done
+  total=$((total + found))
+  [ "$found" -eq 0 ] && break
+  sleep 0.05
+done
+echo "$total"
+"""
 
 
 class Runtime(abc.ABC):
@@ -77,7 +100,7 @@ class Runtime(abc.ABC):
         self.config = config
         self._state = _NEW
         self._workdir: str | None = None
-        self._state_lock: anyio.Lock | None = None
+        self._mark = uuid.uuid4().hex
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -101,6 +124,7 @@ class Runtime(abc.ABC):
                 self._workdir = await self._start()
                 self._state = _OPEN
                 _LIVE.add(self)
+                _register_backstop_last()
             await anyio.lowlevel.checkpoint()
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -350,6 +374,29 @@ class Runtime(abc.ABC):
         with self._guard("download", resolved):
             await self._download(resolved, Path(local))
 
+    async def stop_processes(self) -> int:
+        """Kill every process this runtime started that is still running; return how many.
+
+        Background processes a command left behind (``nohup server &``) are found by the
+        ``VF_SANDBOX_RUNTIME`` mark in their environment, which every ``exec`` sets. The
+        placement layer calls this before a judge enters a rollout's sandbox, so nothing
+        the policy left can watch or tamper with the judge. A process that scrubbed its
+        own environment escapes this sweep; backends override it where they can do better.
+
+        Raises:
+            SandboxUnavailableError: the sandbox is closed or dead.
+        """
+        self._check_open()
+        request, sink = self._internal(["sh", "-c", _STOP_SCRIPT, "sh", MARK_VAR, self._mark])
+        with self._guard("stop_processes"):
+            code = await self._exec(request, sink)
+        text = bytes(sink.stdout).decode("utf-8", "replace").strip()
+        if code != 0 or not text.isdigit():
+            raise SandboxError(
+                f"{self.describe()}: could not stop processes: {bytes(sink.stderr)!r}"
+            )
+        return int(text)
+
     # ------------------------------------------------------------------ helpers
 
     def resolve_path(self, path: PathLike) -> str:
@@ -395,6 +442,7 @@ class Runtime(abc.ABC):
             if "\x00" in arg:
                 raise SandboxInvalidArgumentError(f"argv item contains a NUL byte: {arg[:60]!r}")
         merged_env = dict(self.config.env)
+        merged_env[MARK_VAR] = self._mark
         for key, value in (env or {}).items():
             if not key or "=" in key or "\x00" in key or "\x00" in value:
                 raise SandboxInvalidArgumentError(f"invalid environment variable {key!r}")
@@ -625,6 +673,14 @@ def _close_leftovers() -> None:
             runtime._close_at_exit()
         except Exception:
             log.warning("atexit: could not close %s", runtime.describe(), exc_info=True)
+
+
+def _register_backstop_last() -> None:
+    """atexit runs the last-registered handler first. Backend SDKs imported lazily (in
+    ``_start``) register handlers that tear down their own clients; re-registering after
+    each start keeps the backstop ahead of them, while their clients still work."""
+    atexit.unregister(_close_leftovers)
+    atexit.register(_close_leftovers)
 
 
 atexit.register(_close_leftovers)

@@ -229,6 +229,19 @@ async def check_background_process_keeps_running(rt: Runtime) -> None:
     await rt.exec(["pkill", "-f", f"sleep {token}"])
 
 
+@check
+async def check_stop_processes(rt: Runtime) -> None:
+    """stop_processes() kills what commands left running in the background, nothing else."""
+    token = _token()
+    await rt.exec(["sh", "-c", f"nohup sleep {token} >/dev/null 2>&1 </dev/null &"], timeout=20)
+    await rt.exec(["sh", "-c", f"(setsid sleep {token} >/dev/null 2>&1 </dev/null &)"], timeout=20)
+    assert len(await _processes_matching(rt, token)) == 2
+    assert await rt.stop_processes() >= 2
+    await _assert_no_process(rt, token)
+    assert (await rt.exec(["echo", "usable"])).stdout == "usable\n"
+    assert await rt.stop_processes() == 0
+
+
 # ---------------------------------------------------------------------- exec: env, cwd
 
 

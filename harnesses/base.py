@@ -1,0 +1,365 @@
+"""The :class:`Harness` contract, budgets and the run :class:`Trace`.
+
+A harness is who runs an agent. It knows how to provision itself into a runtime
+(:meth:`Harness.setup`: idempotent, safe when several runs share one sandbox) and how to
+run one agent session against a model endpoint under a :class:`Budget`
+(:meth:`Harness.run`), producing a :class:`Trace`.
+
+A run does not raise for what goes wrong *inside* the session: an exhausted budget, a
+model error or a lost sandbox ends the run and is recorded, typed, on
+``trace.error`` (see :data:`ErrorKind`); ``trace.raise_for_error()`` re-raises it when a
+caller prefers exceptions. Cancelling the awaiting task still cancels the run.
+
+Harness configs are pydantic models selected by ``id`` (``{"id": "bash", ...}``) and
+narrowed to the harness's own ``config_model`` by :mod:`harnesses.registry`.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime as _dt
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, computed_field
+
+from runtimes import Runtime
+
+from .errors import HarnessConfigError, HarnessError, ModelError, ModelHTTPError
+from .models import ChatClient, ChatReply, Message, ModelEndpoint, Usage
+
+__all__ = [
+    "Budget",
+    "BudgetClock",
+    "ErrorKind",
+    "Harness",
+    "HarnessConfig",
+    "ToolResult",
+    "Trace",
+    "TraceError",
+    "Turn",
+    "call_model",
+    "task_messages",
+]
+
+ErrorKind = Literal[
+    "budget_turns",
+    "budget_tokens",
+    "budget_time",
+    "model_error",
+    "sandbox_error",
+    "agent_error",
+    "install_error",
+]
+"""Why a run ended early. ``budget_*``: a budget was exhausted; ``model_error``: the
+model endpoint failed (``status_code`` set for HTTP errors); ``sandbox_error``: the
+sandbox died or its channel failed; ``agent_error``: an installed agent exited
+abnormally; ``install_error``: provisioning the agent failed."""
+
+
+class Budget(BaseModel):
+    """Limits of one run. ``None`` means unlimited.
+
+    ``max_turns`` counts model calls; ``max_tokens`` counts total tokens (prompt plus
+    completion, as reported by the endpoint) over the run; ``max_seconds`` is wall time.
+    Turns and tokens are checked before each model call, so a run can end one turn past
+    ``max_tokens`` (the call that crossed it); wall time is also a hard deadline that
+    cancels a model call or command in flight.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: int | None = Field(default=50, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_seconds: float | None = Field(default=None, gt=0)
+
+
+class TraceError(BaseModel):
+    """A typed reason why a run ended early."""
+
+    kind: ErrorKind
+    message: str
+    exception_type: str | None = None
+    status_code: int | None = None
+
+
+class ToolResult(BaseModel):
+    """One tool call executed by the harness, and what the model was shown."""
+
+    call_id: str
+    name: str
+    arguments: str
+    output: str
+    exit_code: int | None = None
+    timed_out: bool = False
+    duration: float = 0.0
+
+
+class Turn(BaseModel):
+    """One model call: the messages sent, the reply, the tools it triggered."""
+
+    index: int
+    started_at: _dt.datetime
+    request_messages: list[Message]
+    reply: ChatReply | None = None
+    tool_results: list[ToolResult] = Field(default_factory=list)
+    usage: Usage = Field(default_factory=Usage)
+    latency: float = 0.0
+    status_code: int | None = None
+    error: str | None = None
+
+
+def utc_now() -> _dt.datetime:
+    return _dt.datetime.now(_dt.UTC)
+
+
+class Trace(BaseModel):
+    """Everything one run did. JSON-serialisable (``trace.model_dump_json()``)."""
+
+    harness: str
+    model: str | None = None
+    turns: list[Turn] = Field(default_factory=list)
+    started_at: _dt.datetime = Field(default_factory=utc_now)
+    finished_at: _dt.datetime | None = None
+    duration: float = 0.0
+    output: str | None = None
+    error: TraceError | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    _clock: float = PrivateAttr(default_factory=time.monotonic)
+    _exception: BaseException | None = PrivateAttr(default=None)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def usage(self) -> Usage:
+        total = Usage()
+        for turn in self.turns:
+            total = total + turn.usage
+        return total
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def elapsed(self) -> float:
+        """Seconds since the trace was created (monotonic)."""
+        return time.monotonic() - self._clock
+
+    def fail(
+        self,
+        kind: ErrorKind,
+        message: str,
+        exception: BaseException | None = None,
+        *,
+        status_code: int | None = None,
+    ) -> TraceError:
+        """Record why the run ended early. The first reason wins; later ones are ignored.
+
+        ``status_code`` defaults to the exception's, for a :class:`ModelHTTPError`.
+        """
+        if self.error is not None:
+            return self.error
+        status = status_code
+        if status is None and isinstance(exception, ModelHTTPError):
+            status = exception.status_code
+        self.error = TraceError(
+            kind=kind,
+            message=message,
+            exception_type=type(exception).__name__ if exception is not None else None,
+            status_code=status,
+        )
+        self._exception = exception
+        return self.error
+
+    def finish(self, output: str | None = None) -> Trace:
+        """Stamp the end time (and the output, if given); returns ``self``."""
+        if output is not None:
+            self.output = output
+        self.finished_at = utc_now()
+        self.duration = self.elapsed()
+        return self
+
+    def raise_for_error(self) -> None:
+        """Re-raise what ended the run, if anything.
+
+        Raises:
+            ModelError / SandboxError: the original typed exception of a model or sandbox
+                failure.
+            HarnessError: a budget was exhausted, or another recorded reason.
+        """
+        if self.error is None:
+            return
+        if self._exception is not None:
+            raise self._exception
+        raise HarnessError(
+            f"{self.harness} run ended early ({self.error.kind}): {self.error.message}"
+        )
+
+
+class BudgetClock:
+    """Checks a :class:`Budget` against a :class:`Trace` between turns."""
+
+    def __init__(self, budget: Budget, trace: Trace):
+        self.budget = budget
+        self.trace = trace
+
+    def exhausted(self) -> tuple[ErrorKind, str] | None:
+        """The budget that forbids another model call, with a message; ``None`` if none."""
+        budget, trace = self.budget, self.trace
+        if budget.max_turns is not None and len(trace.turns) >= budget.max_turns:
+            return "budget_turns", f"turn budget of {budget.max_turns} exhausted"
+        used = trace.usage.total_tokens
+        if budget.max_tokens is not None and used >= budget.max_tokens:
+            return "budget_tokens", f"token budget exhausted: {used} of {budget.max_tokens} used"
+        if budget.max_seconds is not None and trace.elapsed() >= budget.max_seconds:
+            return "budget_time", f"time budget of {budget.max_seconds}s exhausted"
+        return None
+
+    def remaining_seconds(self) -> float:
+        """Seconds left of the wall-time budget (``inf`` when unlimited)."""
+        if self.budget.max_seconds is None:
+            return float("inf")
+        return max(0.0, self.budget.max_seconds - self.trace.elapsed())
+
+    def record_time_out(self) -> None:
+        """Record that the wall-time deadline cancelled the run (and the turn in flight)."""
+        if self.trace.turns and self.trace.turns[-1].reply is None:
+            self.trace.turns[-1].error = (
+                self.trace.turns[-1].error or "cancelled by the time budget"
+            )
+        self.trace.fail("budget_time", f"time budget of {self.budget.max_seconds}s exhausted")
+
+    def record_exhaustion(self) -> bool:
+        """Record the exhausted budget on the trace, if any; whether one was."""
+        reason = self.exhausted()
+        if reason is None:
+            return False
+        self.trace.fail(*reason)
+        return True
+
+
+async def call_model(
+    client: ChatClient,
+    messages: Sequence[Message],
+    trace: Trace,
+    *,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> Turn:
+    """One model call recorded as a new turn on ``trace``.
+
+    A model failure is recorded on the turn and on the trace (``model_error``) and the
+    turn's ``reply`` is ``None``; nothing is raised.
+    """
+    turn = Turn(index=len(trace.turns), started_at=utc_now(), request_messages=list(messages))
+    trace.turns.append(turn)
+    started = time.monotonic()
+    try:
+        reply = await client.chat(messages, tools)
+    except ModelError as exc:
+        turn.latency = time.monotonic() - started
+        turn.error = str(exc)
+        turn.status_code = exc.status_code if isinstance(exc, ModelHTTPError) else None
+        trace.fail("model_error", str(exc), exc)
+        return turn
+    turn.reply = reply
+    turn.usage = reply.usage
+    turn.latency = reply.latency
+    turn.status_code = 200
+    return turn
+
+
+class HarnessConfig(BaseModel):
+    """Fields every harness understands. Each harness subclasses it with ``id: Literal[...]``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+
+
+def task_messages(task: str | Sequence[Message], system_prompt: str | None = None) -> list[Message]:
+    """The opening conversation: a task string becomes ``[system?, user]``; messages are kept.
+
+    Raises:
+        HarnessConfigError: ``task`` is empty, or a message is not a dict with a role.
+    """
+    if isinstance(task, str):
+        if not task.strip():
+            raise HarnessConfigError("the task is empty")
+        messages: list[Message] = []
+        if system_prompt:
+            messages.append({"role": "system", "content": system_prompt})
+        messages.append({"role": "user", "content": task})
+        return messages
+    copied = [dict(m) for m in task]
+    if not copied or any(not isinstance(m.get("role"), str) for m in copied):
+        raise HarnessConfigError(
+            "a task given as messages needs at least one message, each with a role"
+        )
+    if system_prompt and copied[0]["role"] != "system":
+        copied.insert(0, {"role": "system", "content": system_prompt})
+    return copied
+
+
+class Harness(abc.ABC):
+    """Runs one kind of agent. Subclass it, set ``id`` and ``config_model``, implement :meth:`run`.
+
+    ``needs_runtime`` says whether :meth:`run` needs a sandbox (the ``null`` harness
+    does not).
+    """
+
+    id: ClassVar[str] = "harness"
+    config_model: ClassVar[type[HarnessConfig]] = HarnessConfig
+    needs_runtime: ClassVar[bool] = True
+
+    def __init__(self, config: HarnessConfig | None = None):
+        """Raises: HarnessConfigError: ``config`` is not this harness's config model."""
+        if config is None:
+            config = self.config_model.model_validate({"id": self.id})
+        if not isinstance(config, self.config_model):
+            raise HarnessConfigError(
+                f"{type(self).__name__} needs a {self.config_model.__name__}, "
+                f"got {type(config).__name__}"
+            )
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
+
+    async def setup(self, runtime: Runtime | None) -> None:
+        """Provision the harness into ``runtime``. Idempotent; safe to call concurrently
+        from several runs sharing one sandbox. The default does nothing.
+
+        Raises:
+            HarnessInstallError: provisioning failed (installed harnesses).
+            SandboxError: the sandbox failed (typed, from :mod:`runtimes.errors`).
+        """
+        return None
+
+    @abc.abstractmethod
+    async def run(
+        self,
+        task: str | Sequence[Message],
+        *,
+        runtime: Runtime | None,
+        model: ModelEndpoint,
+        budget: Budget | None = None,
+    ) -> Trace:
+        """Run one agent session on ``task`` and return its trace.
+
+        Budget exhaustion, model errors and sandbox failures end the run and are
+        recorded on ``trace.error``; they are not raised.
+
+        Raises:
+            HarnessConfigError: an empty task, or ``runtime`` is ``None`` for a harness
+                that needs one.
+            ModelConfigError: the endpoint's API key variable is not set.
+        """
+
+    def _require_runtime(self, runtime: Runtime | None) -> Runtime:
+        if runtime is None:
+            raise HarnessConfigError(f"the {self.id!r} harness needs a runtime; got None")
+        return runtime
+
+    def new_trace(self, model: ModelEndpoint) -> Trace:
+        return Trace(harness=self.id, model=model.model)

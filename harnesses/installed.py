@@ -1,0 +1,533 @@
+"""Installed harnesses: off-the-shelf agents installed INTO the sandbox and launched there.
+
+Installation (:meth:`InstalledHarness.setup`) is idempotent, version-checked and locked:
+
+1. If ``<install_root>/<package>/<version>/venv`` already has the pinned version, nothing
+   happens (one short exec: the fast path of every later run).
+2. Otherwise the host prepares a **wheelhouse** for the sandbox's interpreter and
+   platform (``pip download --only-binary=:all: --python-version X.Y --platform
+   manylinux_2_N_<arch>``), cached under ``~/.cache/vf-sandbox/wheelhouses/`` (or
+   ``VF_SANDBOX_CACHE``), or uses the one the config names (fully offline).
+3. The wheelhouse is uploaded (``runtime.upload``) into a content-named directory in the
+   sandbox, atomically (a temporary directory renamed into place), unless it is there.
+4. Under ``flock`` on ``<install_root>/<package>/install.lock`` inside the sandbox, the
+   version is checked again and, only if still missing, a venv is created and the
+   package installed with ``pip install --no-index --find-links``; each real install
+   appends a line to ``install.log`` there. Concurrent setups, from this process or
+   others, install once.
+
+A run starts a :class:`~harnesses.proxy.ModelProxy` reachable from the sandbox
+(:func:`~harnesses.proxy.route_to_host`), registers the run with a fresh secret, and
+launches the agent with the proxy's URL and the secret as its OpenAI settings. Every
+model call lands on the trace; when the proxy refuses a turn for budget, the harness
+stops the agent at once (the runtime kills its process tree) instead of waiting for the
+agent's own retries. Wall time is a hard deadline on the agent process.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import logging
+import os
+import re
+import secrets
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import anyio
+from pydantic import Field
+
+from runtimes import (
+    ExecResult,
+    ExecTimeoutError,
+    Runtime,
+    SandboxError,
+    SandboxTransportError,
+    SandboxUnavailableError,
+)
+
+from .base import Budget, BudgetClock, Harness, HarnessConfig, Trace
+from .errors import HarnessConfigError, HarnessInstallError, ProxyRouteError
+from .models import Message, ModelEndpoint
+from .proxy import ModelProxy, ProxyRoute, ProxyRun, route_to_host
+
+__all__ = [
+    "AgentLaunch",
+    "InstalledConfig",
+    "InstalledHarness",
+    "SandboxPython",
+    "prepare_wheelhouse",
+    "wheelhouse_cache_dir",
+]
+
+log = logging.getLogger("harnesses.installed")
+
+_BUDGET_POLL = 0.2
+
+_INSTALL_SCRIPT = r"""
+set -eu
+dir=$1 venv=$2 wheels=$3 pkg=$4 ver=$5 py=$6 wait=$7
+shift 7
+req="$*"
+mkdir -p "$dir"
+if ! command -v flock >/dev/null 2>&1; then
+  echo "vf-install: flock is missing in the sandbox" >&2; exit 90
+fi
+exec 9>"$dir/install.lock"
+if ! flock -w "$wait" 9; then
+  echo "vf-install: timed out waiting for $dir/install.lock" >&2; exit 91
+fi
+check='import importlib.metadata as m, sys; sys.exit(m.version(sys.argv[1]) != sys.argv[2])'
+if "$venv/bin/python" -c "$check" "$pkg" "$ver" 2>/dev/null; then
+  echo "vf-install: $req already installed"; exit 0
+fi
+rm -rf "$venv"
+"$py" -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+  --no-index --find-links "$wheels" "$@"
+echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) installed $req pid=$$" >> "$dir/install.log"
+echo "vf-install: installed $req"
+"""
+
+_PLACE_WHEELHOUSE = r"""
+set -eu
+tmp=$1 dest=$2
+touch "$tmp/.complete"
+mkdir -p "$(dirname "$dest")"
+if ! mv -T "$tmp" "$dest" 2>/dev/null; then rm -rf "$tmp"; fi
+test -f "$dest/.complete"
+"""
+
+_VERSION_CHECK = (
+    "import importlib.metadata as m, sys\n"
+    "try:\n    print(m.version(sys.argv[1]))\n"
+    "except m.PackageNotFoundError:\n    sys.exit(3)\n"
+)
+
+_PYTHON_PROBE = (
+    "import platform, sys\n"
+    "print(f'{sys.version_info[0]}.{sys.version_info[1]}', platform.machine(), "
+    "platform.libc_ver()[1] or 'none')\n"
+)
+
+
+class InstalledConfig(HarnessConfig):
+    """Fields every installed harness understands.
+
+    ``version`` pins the agent; ``extra_requirements`` pin dependencies next to it (each
+    set of requirements gets its own venv). ``install_root`` is where agents live inside the sandbox
+    (with the subprocess runtime that is the host's filesystem). ``wheelhouse`` is a
+    host directory of wheels prepared beforehand (nothing is downloaded then);
+    otherwise the host downloads one into its cache. ``proxy_url`` / ``proxy_bind_host``
+    override how the sandbox reaches the model proxy (see :mod:`harnesses.proxy`).
+    """
+
+    version: str
+    extra_requirements: list[str] = Field(
+        default_factory=list, description="pins installed alongside, e.g. 'litellm==1.102.4'"
+    )
+    install_root: str = "/opt/vf-harness"
+    python: str = "python3"
+    wheelhouse: str | None = None
+    install_timeout: float = Field(default=1800.0, gt=0)
+    lock_timeout: float = Field(default=1800.0, gt=0)
+    proxy_url: str | None = None
+    proxy_bind_host: str | None = None
+    cwd: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    output_limit: int = Field(default=16 * 1024 * 1024, gt=0)
+
+
+@dataclass(frozen=True)
+class SandboxPython:
+    """The sandbox interpreter a wheelhouse must fit."""
+
+    version: str
+    machine: str
+    glibc: str
+
+    def pip_platforms(self) -> list[str]:
+        """The ``--platform`` tags pip may pick wheels for (manylinux up to this glibc)."""
+        tags = [f"linux_{self.machine}"]
+        match = re.fullmatch(r"2\.(\d+)", self.glibc)
+        if match is not None:
+            newest = int(match.group(1))
+            tags += [f"manylinux_2_{minor}_{self.machine}" for minor in range(5, newest + 1)]
+            tags += [f"manylinux2014_{self.machine}", f"manylinux2010_{self.machine}"]
+            tags += [f"manylinux1_{self.machine}"]
+        return tags
+
+    def cache_key(self, requirements: Sequence[str]) -> str:
+        label = re.sub(r"[^A-Za-z0-9_.-]+", "_", requirements[0])
+        digest = hashlib.sha256(f"{list(requirements)}|{self}".encode()).hexdigest()[:12]
+        return f"{label}-py{self.version}-{self.machine}-{digest}"
+
+
+def wheelhouse_cache_dir() -> Path:
+    """Where host-built wheelhouses are cached (``VF_SANDBOX_CACHE`` or ``~/.cache``)."""
+    base = os.environ.get("VF_SANDBOX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vf-sandbox"
+    )
+    return Path(base) / "wheelhouses"
+
+
+async def prepare_wheelhouse(requirements: Sequence[str], target: SandboxPython) -> Path:
+    """A host directory holding wheels of ``requirements`` and their dependencies for ``target``.
+
+    Cached: a complete wheelhouse is reused; a new one is downloaded into a temporary
+    directory and renamed into place, so concurrent preparations never see half of one.
+
+    Raises:
+        HarnessInstallError: pip could not download the wheels (the message has pip's output).
+    """
+    cache = wheelhouse_cache_dir()
+    final = cache / target.cache_key(requirements)
+    if (final / ".complete").is_file():
+        return final
+    await anyio.Path(cache).mkdir(parents=True, exist_ok=True)
+    staging = Path(await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(dir=cache)))
+    argv = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check"]
+    argv += ["--only-binary=:all:", "--python-version", target.version, "--dest", str(staging)]
+    for platform_tag in target.pip_platforms():
+        argv += ["--platform", platform_tag]
+    argv += list(requirements)
+    result = await anyio.run_process(argv, check=False)
+    if result.returncode != 0:
+        await anyio.to_thread.run_sync(_remove_tree, staging)
+        raise HarnessInstallError(
+            f"pip could not download {' '.join(requirements)} for python {target.version} "
+            f"({target.machine}, glibc {target.glibc}): {_tail(result.stderr)}"
+        )
+    await anyio.Path(staging / ".complete").touch()
+    await anyio.to_thread.run_sync(_place_directory, staging, final)
+    return final
+
+
+def _place_directory(staging: Path, final: Path) -> None:
+    try:
+        staging.rename(final)
+    except OSError:
+        # Someone else placed it first (rename onto a non-empty directory fails): keep theirs.
+        _remove_tree(staging)
+        if not (final / ".complete").is_file():
+            raise
+
+
+def _directory_fingerprint(directory: Path) -> str:
+    """A short digest of a directory's file names, sizes and modification times: a
+    wheelhouse that gains or changes a wheel gets a new name in the sandbox."""
+    digest = hashlib.sha256()
+    for entry in sorted(directory.rglob("*")):
+        if entry.is_file():
+            stat = entry.stat()
+            digest.update(
+                f"{entry.relative_to(directory)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode()
+            )
+    return digest.hexdigest()[:16]
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _tail(data: bytes | str, limit: int = 3000) -> str:
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+    text = text.strip()
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+@dataclass(frozen=True)
+class AgentLaunch:
+    """How to start the agent: argv, environment, working directory, where its output is."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str | None = None
+
+
+class InstalledHarness(Harness):
+    """Base of agents installed into the sandbox from a wheelhouse. See the module doc.
+
+    Subclasses set ``package`` (the PyPI distribution), ``config_model`` (a subclass of
+    :class:`InstalledConfig`) and implement :meth:`launch` and :meth:`collect`.
+    """
+
+    package: ClassVar[str]
+    config_model: ClassVar[type[HarnessConfig]] = InstalledConfig
+
+    def __init__(self, config: HarnessConfig | None = None):
+        super().__init__(config)
+        self.config: InstalledConfig
+
+    # ------------------------------------------------------------------ paths
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.config.version}"
+
+    @property
+    def requirements(self) -> list[str]:
+        """The agent's pinned requirement followed by the extra pins."""
+        return [self.requirement, *self.config.extra_requirements]
+
+    @property
+    def agent_dir(self) -> str:
+        return f"{self.config.install_root}/{self.package}"
+
+    @property
+    def venv(self) -> str:
+        digest = hashlib.sha256("\n".join(self.requirements).encode()).hexdigest()[:8]
+        return f"{self.agent_dir}/{self.config.version}-{digest}/venv"
+
+    def venv_bin(self, program: str) -> str:
+        return f"{self.venv}/bin/{program}"
+
+    # ------------------------------------------------------------------ install
+
+    async def installed_version(self, runtime: Runtime) -> str | None:
+        """The agent's version in the sandbox's venv, or ``None`` if it is not installed.
+
+        Raises:
+            SandboxError: the sandbox failed (typed, from :mod:`runtimes.errors`).
+        """
+        python = self.venv_bin("python")
+        if not await runtime.exists(python):
+            return None
+        probe = await runtime.exec([python, "-c", _VERSION_CHECK, self.package], timeout=60)
+        return probe.stdout.strip() if probe.exit_code == 0 else None
+
+    async def setup(self, runtime: Runtime | None) -> None:
+        """Install the agent into ``runtime`` unless the pinned version is there.
+
+        Idempotent; concurrent calls on one sandbox install once (``flock`` inside).
+
+        Raises:
+            HarnessConfigError: ``runtime`` is ``None``.
+            HarnessInstallError: the wheelhouse or the installation failed (with output).
+            SandboxError: the sandbox failed (typed, from :mod:`runtimes.errors`).
+        """
+        sandbox = self._require_runtime(runtime)
+        if await self.installed_version(sandbox) == self.config.version:
+            return
+        remote_wheels = await self._upload_wheelhouse(sandbox)
+        argv = ["sh", "-c", _INSTALL_SCRIPT, "vf-install", self.agent_dir, self.venv]
+        argv += [remote_wheels, self.package, self.config.version, self.config.python]
+        argv += [str(int(self.config.lock_timeout)), *self.requirements]
+        try:
+            result = await sandbox.exec(argv, timeout=self.config.install_timeout)
+        except ExecTimeoutError as exc:
+            raise HarnessInstallError(
+                f"installing {self.requirement} took longer than {self.config.install_timeout}s: "
+                f"{_tail(exc.stderr)}"
+            ) from exc
+        if result.exit_code != 0:
+            raise HarnessInstallError(
+                f"installing {self.requirement} into {sandbox.describe()} failed "
+                f"(exit {result.exit_code}): {_tail(result.stderr or result.stdout)}"
+            )
+        log.info("%s: %s", sandbox.describe(), result.stdout.strip())
+
+    async def sandbox_python(self, runtime: Runtime) -> SandboxPython:
+        """The sandbox interpreter's version, machine and glibc.
+
+        Raises:
+            HarnessInstallError: ``python`` does not run in the sandbox.
+            SandboxError: the sandbox failed.
+        """
+        try:
+            probe = await runtime.exec([self.config.python, "-c", _PYTHON_PROBE], timeout=60)
+        except SandboxError as exc:
+            if isinstance(exc, SandboxUnavailableError | SandboxTransportError):
+                raise
+            raise HarnessInstallError(
+                f"{self.config.python!r} cannot run in {runtime.describe()}: {exc}"
+            ) from exc
+        fields = probe.stdout.split()
+        if probe.exit_code != 0 or len(fields) != 3:
+            raise HarnessInstallError(
+                f"{self.config.python!r} in {runtime.describe()} did not report its version: "
+                f"{_tail(probe.stderr or probe.stdout)}"
+            )
+        return SandboxPython(*fields)
+
+    async def _upload_wheelhouse(self, runtime: Runtime) -> str:
+        if self.config.wheelhouse is not None:
+            given = anyio.Path(self.config.wheelhouse)
+            if not await given.is_dir():
+                raise HarnessInstallError(f"wheelhouse {given} is not a directory")
+            local = Path(await given.resolve())
+            fingerprint = await anyio.to_thread.run_sync(_directory_fingerprint, local)
+            key = f"given-{fingerprint}"
+        else:
+            target = await self.sandbox_python(runtime)
+            local = await prepare_wheelhouse(self.requirements, target)
+            key = local.name
+        remote = f"{self.config.install_root}/wheelhouses/{key}"
+        if await runtime.exists(f"{remote}/.complete"):
+            return remote
+        staging = f"{remote}.tmp-{secrets.token_hex(6)}"
+        await runtime.upload(local, staging)
+        placed = await runtime.exec(["sh", "-c", _PLACE_WHEELHOUSE, "vf-place", staging, remote])
+        if placed.exit_code != 0:
+            raise HarnessInstallError(
+                f"could not place the wheelhouse at {remote}: {_tail(placed.stderr)}"
+            )
+        return remote
+
+    # ------------------------------------------------------------------ run
+
+    @abc.abstractmethod
+    def launch(
+        self, task: str, *, base_url: str, api_key: str, run_dir: str, budget: Budget
+    ) -> AgentLaunch:
+        """The command that runs the agent on ``task`` against ``base_url`` with ``api_key``.
+
+        ``run_dir`` is a fresh directory in the sandbox for this run's files.
+        """
+
+    @abc.abstractmethod
+    async def collect(
+        self, runtime: Runtime, run_dir: str, result: ExecResult | None, trace: Trace
+    ) -> None:
+        """Read the agent's results after it exited: set ``trace.output``/``metadata``.
+
+        ``result`` is ``None`` when the agent was stopped (budget, time).
+        """
+
+    async def run(
+        self,
+        task: str | Sequence[Message],
+        *,
+        runtime: Runtime | None,
+        model: ModelEndpoint,
+        budget: Budget | None = None,
+    ) -> Trace:
+        """Install if needed, then run the agent in the sandbox with its model calls
+        routed through the proxy. Budget, model, sandbox, install and agent failures
+        are recorded on ``trace.error``.
+
+        Raises:
+            HarnessConfigError: an empty task, a task given as messages (installed
+                agents take a string), or ``runtime`` is ``None``.
+            ModelConfigError: the endpoint's API key variable is not set.
+        """
+        sandbox = self._require_runtime(runtime)
+        text = _task_text(task)
+        budget = budget or Budget()
+        trace = self.new_trace(model)
+        clock = BudgetClock(budget, trace)
+        with anyio.move_on_after(clock.remaining_seconds()) as scope:
+            try:
+                await self.setup(sandbox)
+                route = await route_to_host(
+                    sandbox, proxy_url=self.config.proxy_url, bind_host=self.config.proxy_bind_host
+                )
+                with ModelProxy(host=route.bind_host) as proxy:
+                    await self._run_agent(sandbox, text, route, proxy, model, budget, trace)
+            except HarnessInstallError as exc:
+                trace.fail("install_error", str(exc), exc)
+            except ProxyRouteError as exc:
+                trace.fail("sandbox_error", str(exc), exc)
+            except SandboxError as exc:
+                trace.fail("sandbox_error", f"{sandbox.describe()}: {exc}", exc)
+        if scope.cancelled_caught:
+            clock.record_time_out()
+        return trace.finish()
+
+    async def _run_agent(
+        self,
+        runtime: Runtime,
+        task: str,
+        route: ProxyRoute,
+        proxy: ModelProxy,
+        model: ModelEndpoint,
+        budget: Budget,
+        trace: Trace,
+    ) -> None:
+        run_dir = f"{self.agent_dir}/runs/{secrets.token_hex(8)}"
+        made = await runtime.exec(["mkdir", "-p", run_dir])
+        if made.exit_code != 0:
+            raise HarnessInstallError(f"cannot create the run directory {run_dir}: {made.stderr}")
+        with proxy.open_run(model, trace, budget) as proxy_run:
+            base_url = await route.sandbox_base_url(runtime, proxy)
+            try:
+                launch = self.launch(
+                    task,
+                    base_url=base_url,
+                    api_key=proxy_run.secret,
+                    run_dir=run_dir,
+                    budget=budget,
+                )
+                result = await self._exec_watching_budget(runtime, launch, proxy_run)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await route.release(runtime)
+        if result is not None and result.exit_code != 0 and trace.error is None:
+            self._record_agent_failure(result, trace)
+        await self.collect(runtime, run_dir, result, trace)
+
+    async def _exec_watching_budget(
+        self, runtime: Runtime, launch: AgentLaunch, proxy_run: ProxyRun
+    ) -> ExecResult | None:
+        """Run the agent; stop it as soon as the proxy refused a turn for budget."""
+        outcome: list[ExecResult] = []
+        failure: list[SandboxError] = []
+        async with anyio.create_task_group() as group:
+
+            async def agent() -> None:
+                try:
+                    outcome.append(
+                        await runtime.exec(
+                            launch.argv,
+                            env={**launch.env, **self.config.env},
+                            cwd=launch.cwd or self.config.cwd,
+                            output_limit=self.config.output_limit,
+                        )
+                    )
+                except SandboxError as exc:  # re-raised below, outside the task group
+                    failure.append(exc)
+                group.cancel_scope.cancel()
+
+            async def watch_budget() -> None:
+                # The proxy records a refusal from its own thread: poll the flag.
+                while proxy_run.trace.error is None:  # noqa: ASYNC110
+                    await anyio.sleep(_BUDGET_POLL)
+                group.cancel_scope.cancel()
+
+            group.start_soon(agent)
+            group.start_soon(watch_budget)
+        if failure:
+            raise failure[0]
+        return outcome[0] if outcome else None
+
+    @staticmethod
+    def _record_agent_failure(result: ExecResult, trace: Trace) -> None:
+        last = trace.turns[-1] if trace.turns else None
+        if last is not None and last.status_code is not None and last.status_code >= 400:
+            trace.fail(
+                "model_error",
+                f"the agent stopped after the model answered HTTP {last.status_code}: "
+                f"{last.error or ''}",
+                status_code=last.status_code,
+            )
+            return
+        trace.fail(
+            "agent_error",
+            f"the agent exited with code {result.exit_code}: "
+            f"{_tail(result.stderr or result.stdout)}",
+        )
+
+
+def _task_text(task: str | Sequence[Message]) -> str:
+    if not isinstance(task, str):
+        raise HarnessConfigError("installed agents take the task as a string, not messages")
+    if not task.strip():
+        raise HarnessConfigError("the task is empty")
+    return task

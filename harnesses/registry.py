@@ -1,0 +1,139 @@
+"""Finding harnesses: the ``vf_sandbox.harnesses`` entry-point group.
+
+The built-in harnesses (``null``, ``bash``, ``mini-swe-agent``) register through the same
+group as third-party ones (see ``pyproject.toml``). A plugin that fails to import never
+breaks the others: listing imports nothing, and only using a broken plugin raises
+:class:`~harnesses.errors.HarnessPluginError`, naming the distribution that ships it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+from pydantic import ValidationError
+
+from .base import Harness, HarnessConfig
+from .errors import HarnessConfigError, HarnessPluginError, UnknownHarnessError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "HarnessPlugin",
+    "available_harnesses",
+    "load_harness_class",
+    "open_harness",
+    "resolve_harness_config",
+]
+
+ENTRY_POINT_GROUP = "vf_sandbox.harnesses"
+
+
+@dataclass(frozen=True)
+class HarnessPlugin:
+    name: str
+    value: str
+    distribution: str
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.value}, from {self.distribution})"
+
+
+def _entry_points() -> dict[str, EntryPoint]:
+    found: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def _distribution(ep: EntryPoint) -> str:
+    return ep.dist.name if ep.dist else "unknown distribution"
+
+
+def available_harnesses() -> dict[str, HarnessPlugin]:
+    """Every registered harness, loaded or not (cheap: imports nothing)."""
+    return {
+        name: HarnessPlugin(name, ep.value, _distribution(ep))
+        for name, ep in sorted(_entry_points().items())
+    }
+
+
+@functools.cache
+def load_harness_class(harness_id: str) -> type[Harness]:
+    """The :class:`Harness` subclass registered under ``harness_id``.
+
+    Raises:
+        UnknownHarnessError: nothing is registered under that id (the message lists
+            what is).
+        HarnessPluginError: the plugin raised on import or is not a Harness subclass;
+            the message names the plugin's distribution.
+    """
+    eps = _entry_points()
+    ep = eps.get(harness_id)
+    if ep is None:
+        known = ", ".join(sorted(eps)) or "none"
+        raise UnknownHarnessError(f"unknown harness id {harness_id!r} (registered: {known})")
+    dist = _distribution(ep)
+    try:
+        cls = ep.load()
+    except Exception as exc:
+        raise HarnessPluginError(
+            f"harness plugin {harness_id!r} from package {dist!r} ({ep.value}) failed to "
+            f"import: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, Harness)):
+        raise HarnessPluginError(
+            f"harness plugin {harness_id!r} from package {dist!r} ({ep.value}) "
+            f"is not a harnesses.Harness subclass"
+        )
+    return cls
+
+
+def resolve_harness_config(config: HarnessConfig | Mapping[str, Any] | str) -> HarnessConfig:
+    """Validate a config given as a model, a dict with ``id``, or a bare id, narrowed to
+    the harness's own config model.
+
+    Raises:
+        HarnessConfigError: missing ``id`` or invalid fields (each named in the message).
+        UnknownHarnessError: no harness registered under ``id``.
+        HarnessPluginError: the harness's plugin is broken.
+    """
+    if isinstance(config, HarnessConfig):
+        data: dict[str, Any] = config.model_dump()
+    elif isinstance(config, str):
+        data = {"id": config}
+    elif isinstance(config, Mapping):
+        data = dict(config)
+    else:
+        raise HarnessConfigError(
+            f"a harness config is a config model, a dict or an id, not {type(config).__name__}"
+        )
+    harness_id = data.get("id")
+    if not isinstance(harness_id, str) or not harness_id:
+        raise HarnessConfigError("harness config has no 'id' (for example 'null' or 'bash')")
+    model = load_harness_class(harness_id).config_model
+    if isinstance(config, model):
+        return config
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors(include_url=False, include_input=False):
+            where = ".".join(str(p) for p in err["loc"]) or "(config)"
+            lines.append(f"  {where}: {err['msg']}")
+        raise HarnessConfigError(
+            f"invalid {harness_id!r} harness config:\n" + "\n".join(lines)
+        ) from None
+
+
+def open_harness(config: HarnessConfig | Mapping[str, Any] | str) -> Harness:
+    """A harness for ``config``.
+
+    Raises:
+        HarnessConfigError, UnknownHarnessError, HarnessPluginError: as
+            :func:`resolve_harness_config`.
+    """
+    resolved = resolve_harness_config(config)
+    return load_harness_class(resolved.id)(resolved)

@@ -1,0 +1,395 @@
+"""A scripted, OpenAI-compatible chat-completions endpoint on a real local HTTP server.
+
+Tests and the offline demo use it in place of a provider::
+
+    script = [bash_call("echo hi > out.txt"), reply("done")]
+    with ScriptedEndpoint(script) as server:
+        endpoint = server.endpoint()          # a ModelEndpoint pointing at it
+        ...
+    assert server.failures == []
+
+It serves ``POST /v1/chat/completions`` on 127.0.0.1 (a free port), answers each request
+with the next item of the script (a text reply, tool calls in OpenAI's ``tool_calls``
+format with usage numbers, or a scripted HTTP error such as 429 or 500), and records
+every request. Each request is checked to be well formed: ``model``, a ``messages`` list
+with valid roles and tool-call links, a ``tools`` schema if present, and the API key if
+the endpoint was given one. A malformed request gets a 400 with the reason and is
+recorded in :attr:`ScriptedEndpoint.failures`; it does not consume a script item.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+from pydantic import BaseModel, Field
+
+from ._http import HTTPRequest, HTTPResponse, LocalHTTPServer, error_response, json_response
+from .models import ModelEndpoint, Usage
+
+__all__ = [
+    "RecordedRequest",
+    "ScriptItem",
+    "ScriptedEndpoint",
+    "ScriptedError",
+    "ScriptedReply",
+    "ScriptedToolCall",
+    "bash_call",
+    "http_error",
+    "reply",
+    "tool_calls",
+    "validate_chat_request",
+]
+
+CHAT_PATH = "/v1/chat/completions"
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ScriptedToolCall(BaseModel):
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+    id: str | None = None
+
+
+class ScriptedReply(BaseModel):
+    """An assistant message: text, tool calls, or both. ``delay`` seconds before answering."""
+
+    content: str | None = None
+    tool_calls: list[ScriptedToolCall] = Field(default_factory=list)
+    usage: Usage | None = None
+    delay: float = 0.0
+    finish_reason: str | None = None
+
+
+class ScriptedError(BaseModel):
+    """An HTTP error answer (e.g. 429 or 500) with an OpenAI-shaped error body."""
+
+    status: int = Field(ge=400, le=599)
+    message: str = "scripted error"
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
+ScriptItem = ScriptedReply | ScriptedError
+
+
+def reply(
+    content: str, *, usage: tuple[int, int] | None = None, delay: float = 0.0
+) -> ScriptedReply:
+    """A plain text reply; ``usage`` is ``(prompt_tokens, completion_tokens)``."""
+    return ScriptedReply(content=content, usage=_usage(usage), delay=delay)
+
+
+def tool_calls(
+    *calls: tuple[str, Mapping[str, Any]],
+    content: str | None = None,
+    usage: tuple[int, int] | None = None,
+    delay: float = 0.0,
+) -> ScriptedReply:
+    """A reply calling tools: each call is ``(name, arguments)``."""
+    return ScriptedReply(
+        content=content,
+        tool_calls=[ScriptedToolCall(name=name, arguments=dict(args)) for name, args in calls],
+        usage=_usage(usage),
+        delay=delay,
+    )
+
+
+def bash_call(
+    command: str, *, usage: tuple[int, int] | None = None, delay: float = 0.0
+) -> ScriptedReply:
+    """A reply calling the ``bash`` tool with ``{"command": command}``."""
+    return tool_calls(("bash", {"command": command}), usage=usage, delay=delay)
+
+
+def http_error(status: int, message: str = "scripted error", **headers: str) -> ScriptedError:
+    """An HTTP error answer."""
+    return ScriptedError(status=status, message=message, headers=headers)
+
+
+def _usage(pair: tuple[int, int] | None) -> Usage | None:
+    if pair is None:
+        return None
+    prompt, completion = pair
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request as the endpoint saw it, and how it answered."""
+
+    path: str
+    body: Any
+    api_key: str | None
+    status: int
+    problem: str | None = None
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        if isinstance(self.body, dict) and isinstance(self.body.get("messages"), list):
+            return list(self.body["messages"])
+        return []
+
+
+def validate_chat_request(body: Any, *, model: str | None = None) -> str | None:
+    """Why ``body`` is not a well-formed chat-completions request, or ``None`` if it is."""
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        return "'model' must be a non-empty string"
+    if model is not None and body["model"] != model:
+        return f"'model' is {body['model']!r}, this endpoint serves {model!r}"
+    if body.get("stream"):
+        return "'stream': true is not supported by this endpoint"
+    problem = _check_messages(body.get("messages"))
+    if problem is None and "tools" in body:
+        problem = _check_tools(body["tools"])
+    return problem
+
+
+def _check_messages(messages: Any) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list"
+    open_calls: set[str] = set()
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            return f"{where} must be an object"
+        role = message.get("role")
+        if role not in _ROLES:
+            return f"{where}.role {role!r} is not one of {sorted(_ROLES)}"
+        content = message.get("content")
+        calls = message.get("tool_calls")
+        if role == "assistant" and calls:
+            problem = _check_assistant_calls(calls, where)
+            if problem:
+                return problem
+            open_calls.update(call["id"] for call in calls)
+        elif not isinstance(content, str | list):
+            return f"{where}.content must be a string or a list of parts"
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or call_id not in open_calls:
+                return f"{where}.tool_call_id {call_id!r} answers no earlier assistant tool call"
+    return None
+
+
+def _check_assistant_calls(calls: Any, where: str) -> str | None:
+    if not isinstance(calls, list):
+        return f"{where}.tool_calls must be a list"
+    for index, call in enumerate(calls):
+        spot = f"{where}.tool_calls[{index}]"
+        if not isinstance(call, dict) or not isinstance(call.get("id"), str):
+            return f"{spot} needs an 'id'"
+        function = call.get("function")
+        if call.get("type") != "function" or not isinstance(function, dict):
+            return f"{spot} must be {{'type': 'function', 'function': {{...}}}}"
+        if not isinstance(function.get("name"), str) or not isinstance(
+            function.get("arguments"), str
+        ):
+            return f"{spot}.function needs a string 'name' and string 'arguments'"
+    return None
+
+
+def _check_tools(tools: Any) -> str | None:
+    if not isinstance(tools, list):
+        return "'tools' must be a list"
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            return f"{where} must have type 'function'"
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            return f"{where}.function must be an object"
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            return f"{where}.function.name {name!r} is not a valid tool name"
+        params = function.get("parameters", {"type": "object"})
+        if not isinstance(params, dict) or params.get("type") != "object":
+            return f"{where}.function.parameters must be a JSON schema of type 'object'"
+    return None
+
+
+class ScriptedEndpoint:
+    """A local chat-completions server replaying ``script``. See the module doc."""
+
+    def __init__(
+        self,
+        script: Iterable[ScriptItem] = (),
+        *,
+        model: str = "scripted-model",
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
+        self.model = model
+        self._api_key = api_key
+        self._script = list(script)
+        self._position = 0
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.requests: list[RecordedRequest] = []
+        self.failures: list[str] = []
+        self._server = LocalHTTPServer(self._handle, host=host, port=port)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Self:
+        """Start serving. Raises ``OSError`` if the address cannot be bound."""
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving. Idempotent."""
+        self._server.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self._server.host}:{self._server.port}/v1"
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    def endpoint(self, **overrides: Any) -> ModelEndpoint:
+        """A :class:`ModelEndpoint` for this server (no retries unless overridden)."""
+        fields: dict[str, Any] = {
+            "base_url": self.base_url,
+            "model": self.model,
+            "max_retries": 0,
+            "timeout": 30.0,
+        }
+        fields.update(overrides)
+        return ModelEndpoint(**fields)
+
+    def extend(self, items: Sequence[ScriptItem]) -> None:
+        """Append items to the script."""
+        with self._lock:
+            self._script.extend(items)
+
+    @property
+    def remaining(self) -> int:
+        with self._lock:
+            return len(self._script) - self._position
+
+    # ------------------------------------------------------------------ serving
+
+    def _handle(self, request: HTTPRequest) -> HTTPResponse:
+        token = request.bearer_token()
+        if request.method != "POST" or request.path.rstrip("/") != CHAT_PATH:
+            return self._reject(
+                request, None, token, 404, f"no route {request.method} {request.path}"
+            )
+        try:
+            body = json.loads(request.body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return self._reject(request, None, token, 400, f"request body is not JSON: {exc}")
+        if self._api_key is not None and token != self._api_key:
+            return self._reject(request, body, token, 401, "missing or wrong API key")
+        problem = validate_chat_request(body, model=self.model)
+        if problem is not None:
+            return self._reject(request, body, token, 400, problem)
+        item = self._next_item()
+        if item is None:
+            return self._reject(
+                request, body, token, 500, f"script exhausted after {len(self._script)} replies"
+            )
+        if isinstance(item, ScriptedError):
+            self._record(request, body, token, item.status)
+            return error_response(
+                item.status, item.message, kind="scripted_error", headers=item.headers
+            )
+        if item.delay:
+            time.sleep(item.delay)
+        self._record(request, body, token, 200)
+        return json_response(200, self._completion(item, body))
+
+    def _next_item(self) -> ScriptItem | None:
+        with self._lock:
+            if self._position >= len(self._script):
+                return None
+            item = self._script[self._position]
+            self._position += 1
+            return item
+
+    def _reject(
+        self, request: HTTPRequest, body: Any, token: str | None, status: int, reason: str
+    ) -> HTTPResponse:
+        with self._lock:
+            self.failures.append(reason)
+        self._record(request, body, token, status, reason)
+        return error_response(status, reason)
+
+    def _record(
+        self,
+        request: HTTPRequest,
+        body: Any,
+        token: str | None,
+        status: int,
+        problem: str | None = None,
+    ) -> None:
+        with self._lock:
+            self.requests.append(RecordedRequest(request.path, body, token, status, problem))
+
+    def _completion(self, item: ScriptedReply, body: dict[str, Any]) -> dict[str, Any]:
+        number = next(self._ids)
+        calls = [
+            {
+                "id": call.id or f"call_{number}_{index}",
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": call.arguments
+                    if isinstance(call.arguments, str)
+                    else json.dumps(call.arguments),
+                },
+            }
+            for index, call in enumerate(item.tool_calls)
+        ]
+        message: dict[str, Any] = {"role": "assistant", "content": item.content}
+        if calls:
+            message["tool_calls"] = calls
+        usage = item.usage or _estimated_usage(body["messages"], item.content, calls)
+        return {
+            "id": f"chatcmpl-scripted-{number}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": item.finish_reason or ("tool_calls" if calls else "stop"),
+                }
+            ],
+            "usage": usage.model_dump(),
+        }
+
+
+def _estimated_usage(messages: list[Any], content: str | None, calls: list[Any]) -> Usage:
+    """A deterministic stand-in for token counts: four characters per token."""
+    prompt = max(1, len(json.dumps(messages)) // 4)
+    completion = max(1, (len(content or "") + len(json.dumps(calls) if calls else "")) // 4)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )

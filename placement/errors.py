@@ -1,0 +1,77 @@
+"""Placement errors. A judge that fails, fails the rollout: never a silent 0 reward.
+
+Each :class:`JudgeError` subclass names one real cause and carries the judge's own
+trace (``err.trace``), on which the failure is also recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    from harnesses.base import Trace
+
+    from .run import AgentRun
+
+
+class PlacementError(Exception):
+    """Base of every placement error."""
+
+
+class PlacementConfigError(PlacementError, ValueError):
+    """An agent or judge spec, a rollout directory or a judges file is malformed."""
+
+
+class InputTamperError(PlacementError):
+    """The judge input directory was not fresh: a planted file, directory or symlink."""
+
+
+class JudgeError(PlacementError):
+    """A judge could not produce a valid verdict. ``trace`` is the judge's own trace."""
+
+    def __init__(self, judge: str, message: str, trace: Trace | None = None):
+        super().__init__(f"judge {judge!r}: {message}")
+        self.judge = judge
+        self.trace = trace
+        self.run: AgentRun | None = None
+
+
+class VerdictMissing(JudgeError):
+    """A tools judge finished without writing ``verdict.json`` (the read found no file)."""
+
+
+class VerdictInvalid(JudgeError):
+    """The verdict is not JSON, is over the size cap, or does not match the schema."""
+
+
+class JudgeSandboxLost(JudgeError):
+    """The judge's sandbox died or its channel failed while it ran or was collected."""
+
+
+class JudgeBudgetExceeded(JudgeError):
+    """The judge ran out of turns, tokens or wall time."""
+
+
+class JudgeModelFailed(JudgeError):
+    """The judge's model endpoint failed (HTTP error, timeout, malformed reply)."""
+
+
+class JudgeInputsTampered(JudgeError):
+    """The judge's input directory was not fresh (a planted file or symlink): refused."""
+
+
+class JudgingFailed(ExceptionGroup[JudgeError]):
+    """One or more judges of a rollout failed. ``runs`` holds every judge's AgentRun."""
+
+    runs: list[AgentRun]
+
+    def __new__(
+        cls, message: str, errors: Sequence[JudgeError], runs: Sequence[AgentRun] = ()
+    ) -> Self:
+        self = super().__new__(cls, message, errors)
+        self.runs = list(runs)
+        return self
+
+    def derive(self, excs: Sequence[JudgeError]) -> JudgingFailed:  # type: ignore[override]
+        return JudgingFailed(self.message, excs, self.runs)

@@ -1,0 +1,47 @@
+"""The conformance suite on the ssh runtime, against a real OpenSSH server in a container.
+
+One ``vf-sandbox/sshd`` container serves the module; every check opens its own sandbox
+(a fresh connection and remote directory) with strict host-key checking. Two logins:
+
+* ``root`` with an ed25519 key, under asyncio and trio (``user=`` switches via runuser);
+* the unprivileged ``sandbox`` user with its password, under trio, so the checks that
+  only apply to non-root sandboxes (unreadable files, read-only directories, ``user=``
+  refused) run too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtimes.ssh import SSHConfig
+from runtimes.testing import RuntimeConformance
+from tests.ssh.sshd import IMAGE, SSHServer, image_present
+
+pytestmark = pytest.mark.ssh
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHServer]:
+    if not image_present():
+        pytest.fail(f"{IMAGE} is missing: build it with `make images`")
+    with SSHServer(Path(tmp_path_factory.mktemp("sshd"))) as server:
+        yield server
+
+
+class TestSSHConformanceRootKey(RuntimeConformance):
+    anyio_backends = ("asyncio", "trio")
+
+    @pytest.fixture
+    def runtime_config(self, sshd: SSHServer) -> SSHConfig:
+        return sshd.config()
+
+
+class TestSSHConformanceUserPassword(RuntimeConformance):
+    anyio_backends = ("trio",)
+
+    @pytest.fixture
+    def runtime_config(self, sshd: SSHServer) -> SSHConfig:
+        return sshd.password_config()

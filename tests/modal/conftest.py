@@ -1,0 +1,1 @@
+from .support import fake_modal, fake_service  # noqa: F401 - fixtures
