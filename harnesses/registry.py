@@ -8,19 +8,19 @@ breaks the others: listing imports nothing, and only using a broken plugin raise
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from pydantic import ValidationError
+
+from runtimes.plugins import Plugin, PluginGroup, validation_lines
 
 from .base import Harness, HarnessConfig
 from .errors import HarnessConfigError, HarnessPluginError, UnknownHarnessError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "HARNESSES",
     "HarnessPlugin",
     "available_harnesses",
     "load_harness_class",
@@ -30,37 +30,22 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "vf_sandbox.harnesses"
 
+HarnessPlugin = Plugin
 
-@dataclass(frozen=True)
-class HarnessPlugin:
-    name: str
-    value: str
-    distribution: str
-
-    def describe(self) -> str:
-        return f"{self.name} ({self.value}, from {self.distribution})"
-
-
-def _entry_points() -> dict[str, EntryPoint]:
-    found: dict[str, EntryPoint] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, ep)
-    return found
+HARNESSES: PluginGroup[Harness] = PluginGroup(
+    ENTRY_POINT_GROUP,
+    "harness id",
+    Harness,
+    unknown_error=UnknownHarnessError,
+    plugin_error=HarnessPluginError,
+)
 
 
-def _distribution(ep: EntryPoint) -> str:
-    return ep.dist.name if ep.dist else "unknown distribution"
-
-
-def available_harnesses() -> dict[str, HarnessPlugin]:
+def available_harnesses() -> dict[str, Plugin]:
     """Every registered harness, loaded or not (cheap: imports nothing)."""
-    return {
-        name: HarnessPlugin(name, ep.value, _distribution(ep))
-        for name, ep in sorted(_entry_points().items())
-    }
+    return HARNESSES.available()
 
 
-@functools.cache
 def load_harness_class(harness_id: str) -> type[Harness]:
     """The :class:`Harness` subclass registered under ``harness_id``.
 
@@ -70,25 +55,7 @@ def load_harness_class(harness_id: str) -> type[Harness]:
         HarnessPluginError: the plugin raised on import or is not a Harness subclass;
             the message names the plugin's distribution.
     """
-    eps = _entry_points()
-    ep = eps.get(harness_id)
-    if ep is None:
-        known = ", ".join(sorted(eps)) or "none"
-        raise UnknownHarnessError(f"unknown harness id {harness_id!r} (registered: {known})")
-    dist = _distribution(ep)
-    try:
-        cls = ep.load()
-    except Exception as exc:
-        raise HarnessPluginError(
-            f"harness plugin {harness_id!r} from package {dist!r} ({ep.value}) failed to "
-            f"import: {type(exc).__name__}: {exc}"
-        ) from exc
-    if not (isinstance(cls, type) and issubclass(cls, Harness)):
-        raise HarnessPluginError(
-            f"harness plugin {harness_id!r} from package {dist!r} ({ep.value}) "
-            f"is not a harnesses.Harness subclass"
-        )
-    return cls
+    return HARNESSES.load(harness_id)
 
 
 def resolve_harness_config(config: HarnessConfig | Mapping[str, Any] | str) -> HarnessConfig:
@@ -119,12 +86,9 @@ def resolve_harness_config(config: HarnessConfig | Mapping[str, Any] | str) -> H
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors(include_url=False, include_input=False):
-            where = ".".join(str(p) for p in err["loc"]) or "(config)"
-            lines.append(f"  {where}: {err['msg']}")
         raise HarnessConfigError(
-            f"invalid {harness_id!r} harness config:\n" + "\n".join(lines)
+            f"invalid {harness_id!r} harness config:\n"
+            + "\n".join(f"  {line}" for line in validation_lines(exc))
         ) from None
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from harnesses.base import Budget
 from harnesses.registry import load_harness_class, resolve_harness_config
 from runtimes import RuntimeConfig, resolve_runtime_config
+from runtimes.plugins import validation_lines
 
 from .errors import PlacementConfigError
 
@@ -159,9 +160,7 @@ def load_judges(path: str | Path) -> list[JudgeSpec]:
         try:
             judges.append(JudgeSpec.model_validate(item))
         except ValidationError as exc:
-            where = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-            )
+            where = "; ".join(validation_lines(exc))
             raise PlacementConfigError(f"{source}: judge #{index}: {where}") from None
     names = [j.name for j in judges]
     if len(set(names)) != len(names):

@@ -45,11 +45,10 @@ class RuntimeConfigError(SandboxInvalidArgumentError):
 
 
 def config_error_from_validation(type_name: str, exc: ValidationError) -> RuntimeConfigError:
-    lines = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(config)"
-        lines.append(f"  {where}: {err['msg']}")
+    from .plugins import validation_lines
+
     return RuntimeConfigError(
-        f"invalid {type_name!r} runtime config:\n" + "\n".join(lines),
+        f"invalid {type_name!r} runtime config:\n"
+        + "\n".join(f"  {line}" for line in validation_lines(exc)),
         [dict(e) for e in exc.errors(include_url=False, include_input=False)],
     )

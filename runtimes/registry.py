@@ -8,10 +8,7 @@ distribution that ships it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from pydantic import ValidationError
@@ -19,6 +16,7 @@ from pydantic import ValidationError
 from .base import Runtime
 from .config import RuntimeConfig, RuntimeConfigError, config_error_from_validation
 from .errors import SandboxError
+from .plugins import Plugin, PluginGroup
 
 ENTRY_POINT_GROUP = "vf_sandbox.runtimes"
 
@@ -31,32 +29,22 @@ class UnknownRuntimeError(RuntimeConfigError):
     """No backend is registered under the requested ``type``."""
 
 
-@dataclass(frozen=True)
-class RuntimePlugin:
-    name: str
-    value: str
-    distribution: str
+RuntimePlugin = Plugin
 
-    def describe(self) -> str:
-        return f"{self.name} ({self.value}, from {self.distribution})"
-
-
-def _entry_points() -> dict[str, EntryPoint]:
-    found: dict[str, EntryPoint] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, ep)
-    return found
+RUNTIMES: PluginGroup[Runtime] = PluginGroup(
+    ENTRY_POINT_GROUP,
+    "runtime type",
+    Runtime,
+    unknown_error=UnknownRuntimeError,
+    plugin_error=RuntimePluginError,
+)
 
 
-def available_runtimes() -> dict[str, RuntimePlugin]:
+def available_runtimes() -> dict[str, Plugin]:
     """Every registered backend, loaded or not (cheap: imports nothing)."""
-    return {
-        name: RuntimePlugin(name, ep.value, ep.dist.name if ep.dist else "unknown distribution")
-        for name, ep in sorted(_entry_points().items())
-    }
+    return RUNTIMES.available()
 
 
-@functools.cache
 def load_runtime_class(type_name: str) -> type[Runtime]:
     """The :class:`Runtime` subclass registered under ``type_name``.
 
@@ -65,25 +53,7 @@ def load_runtime_class(type_name: str) -> type[Runtime]:
         RuntimePluginError: the plugin raised on import or is not a Runtime subclass;
             the message names the plugin's distribution.
     """
-    eps = _entry_points()
-    ep = eps.get(type_name)
-    if ep is None:
-        known = ", ".join(sorted(eps)) or "none"
-        raise UnknownRuntimeError(f"unknown runtime type {type_name!r} (registered: {known})")
-    dist = ep.dist.name if ep.dist else "unknown distribution"
-    try:
-        cls = ep.load()
-    except Exception as exc:
-        raise RuntimePluginError(
-            f"runtime plugin {type_name!r} from package {dist!r} ({ep.value}) failed to import: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    if not (isinstance(cls, type) and issubclass(cls, Runtime)):
-        raise RuntimePluginError(
-            f"runtime plugin {type_name!r} from package {dist!r} ({ep.value}) "
-            f"is not a runtimes.Runtime subclass"
-        )
-    return cls
+    return RUNTIMES.load(type_name)
 
 
 def resolve_runtime_config(config: RuntimeConfig | Mapping[str, Any] | str) -> RuntimeConfig:

@@ -16,6 +16,7 @@ from harnesses.bash import BashConfig, BashHarness
 from harnesses.errors import HarnessConfigError, HarnessPluginError, UnknownHarnessError
 from harnesses.null import NullConfig, NullHarness
 from harnesses.registry import (
+    HARNESSES,
     available_harnesses,
     load_harness_class,
     open_harness,
@@ -63,9 +64,9 @@ def plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         "broken-harness = vf_broken_harness:Anything\nnot-a-harness = vf_echo_harness:NotAHarness",
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    load_harness_class.cache_clear()
+    HARNESSES.clear_cache()
     yield
-    load_harness_class.cache_clear()
+    HARNESSES.clear_cache()
 
 
 def test_builtins_are_registered_through_entry_points() -> None:
