@@ -168,8 +168,9 @@ class SessionClosedError(SessionStateError):
 
 
 class SessionProtocolError(SessionError, ValueError):
-    """A delivery that cannot be accepted: an unknown or already answered request, or a
-    completion with neither text nor tool calls."""
+    """An argument the session cannot accept: a delivery for an unknown or already answered
+    request, a completion with neither text nor tool calls, an invalid rollout id or task,
+    a timeout that is not positive."""
 
 
 def _clip(text: str, limit: int = 500) -> str:

@@ -1,0 +1,125 @@
+"""Rewards for gated sessions from judges: :func:`~placement.run.run_judges` on the session's
+own sandbox after its agent exited.
+
+``harnesses.session`` cannot import placement, so this is where a session's ``verify``
+meets the judges::
+
+    verify = JudgeVerifier([judge], models=table)            # reward: mean verdict score
+    async with AgentSessionFactory(runtime, {"id": "bash"}, verify=verify) as factory:
+        ...
+        result = await session.verify()   # result.reward, result.details["verdicts"]
+
+Judges placed ``"rollout"`` run in the session's live sandbox (after the processes the
+agent left running are stopped); judges with a runtime config get clean-room sandboxes.
+A failed judge fails verification, typed: never a silent 0 reward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from harnesses.errors import SessionSandboxLost, SessionVerifyError
+from harnesses.models import ModelEndpoint, ModelTable
+from harnesses.session import Verification, VerifyContext
+
+from .errors import JudgeSandboxLost, JudgingFailed
+from .run import AgentRun, run_judges
+from .specs import JudgeSpec
+
+__all__ = ["JudgeVerifier", "RewardFn", "verdict_reward"]
+
+RewardFn = Callable[[Sequence[AgentRun]], float]
+"""Turns the judges' runs (verdicts validated) into one reward."""
+
+_REWARD_FIELDS = ("reward", "score")
+
+
+def verdict_reward(runs: Sequence[AgentRun]) -> float:
+    """The mean over judges of each verdict's ``reward`` or ``score`` (a number), or of
+    ``passed`` (a boolean, as 1.0 / 0.0).
+
+    Raises:
+        SessionVerifyError: a verdict has none of those fields; pass your own ``reward``.
+    """
+    values = [_verdict_value(run) for run in runs]
+    if not values:
+        raise SessionVerifyError("no judge ran, so there is no reward")
+    return sum(values) / len(values)
+
+
+def _verdict_value(run: AgentRun) -> float:
+    verdict = run.verdict or {}
+    for name in _REWARD_FIELDS:
+        value = verdict.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    passed = verdict.get("passed")
+    if isinstance(passed, bool):
+        return 1.0 if passed else 0.0
+    raise SessionVerifyError(
+        f"judge {run.name!r}'s verdict has no numeric 'reward'/'score' or boolean 'passed' "
+        f"field ({sorted(verdict)}); give JudgeVerifier a reward function"
+    )
+
+
+class JudgeVerifier:
+    """A session ``verify`` function that runs judges on the finished rollout.
+
+    Args:
+        judges: the judge specs (see :class:`~placement.specs.JudgeSpec`).
+        models: the model table the judges' logical model names resolve in.
+        reward: turns the judges' runs into the reward (default :func:`verdict_reward`).
+        policy: the endpoint a judge using the ``"policy"`` model would call.
+    """
+
+    def __init__(
+        self,
+        judges: Sequence[JudgeSpec],
+        *,
+        models: ModelTable,
+        reward: RewardFn = verdict_reward,
+        policy: ModelEndpoint | None = None,
+    ):
+        if not judges:
+            raise SessionVerifyError("JudgeVerifier needs at least one judge")
+        self.judges = list(judges)
+        self.models = models
+        self.reward = reward
+        self.policy = policy
+
+    async def __call__(self, context: VerifyContext) -> Verification:
+        """Judge the rollout in ``context.runtime``; the reward comes from the verdicts.
+
+        Raises:
+            SessionSandboxLost: a judge lost the sandbox.
+            SessionVerifyError: a judge failed otherwise (no verdict, an invalid one, its
+                budget or model failed); the :class:`~placement.errors.JudgingFailed`
+                group is chained.
+        """
+        try:
+            runs = await run_judges(
+                self.judges,
+                task=context.task,
+                trace=context.trace,
+                models=self.models,
+                runtime=context.runtime,
+                policy=self.policy,
+            )
+        except JudgingFailed as group:
+            failures = "; ".join(str(e) for e in group.exceptions)
+            if any(isinstance(e, JudgeSandboxLost) for e in group.exceptions):
+                raise SessionSandboxLost(
+                    f"judging lost the sandbox: {failures}", rollout_id=context.rollout_id
+                ) from group
+            raise SessionVerifyError(
+                f"judging failed: {failures}", rollout_id=context.rollout_id
+            ) from group
+        return Verification(reward=self.reward(runs), details=_details(runs))
+
+
+def _details(runs: Sequence[AgentRun]) -> dict[str, Any]:
+    return {
+        "verdicts": {run.name: run.verdict for run in runs},
+        "judges": [run.model_dump(mode="json", exclude={"trace"}) for run in runs],
+    }
