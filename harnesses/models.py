@@ -182,11 +182,11 @@ class ModelTable(BaseModel):
         source = Path(path)
         try:
             text = source.read_text(encoding="utf-8")
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise ModelConfigError(f"cannot read model table {source}: {exc}") from exc
         try:
             data = json.loads(text) if source.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        except (json.JSONDecodeError, RecursionError, yaml.YAMLError) as exc:
             raise ModelConfigError(f"model table {source} is not valid: {exc}") from exc
         if not isinstance(data, Mapping):
             raise ModelConfigError(f"model table {source} must be a mapping with a 'models' key")

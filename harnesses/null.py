@@ -48,6 +48,8 @@ def parse_reply_json(text: str | None) -> Any:
         body = stripped
     try:
         return json.loads(body)
+    except RecursionError:
+        raise ReplyParseError("the reply's JSON is nested too deeply to parse") from None
     except json.JSONDecodeError as exc:
         raise ReplyParseError(
             f"the reply is neither bare JSON nor a single fenced ```json block: {exc}"

@@ -40,7 +40,7 @@ def load_rollout(directory: str | Path) -> Rollout:
     try:
         task = json.loads((root / "task.json").read_text(encoding="utf-8"))
         trace = Trace.model_validate_json((root / "trace.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, ValidationError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON, UTF-8, schema
         raise PlacementConfigError(f"{root} is not a readable rollout: {exc}") from None
     if not isinstance(task, dict):
         raise PlacementConfigError(f"{root}/task.json must hold a JSON object")

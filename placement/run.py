@@ -32,6 +32,10 @@ from runtimes import (
     Runtime,
     SandboxError,
     SandboxFileNotFoundError,
+    SandboxInvalidArgumentError,
+    SandboxIsADirectoryError,
+    SandboxNotADirectoryError,
+    SandboxPermissionError,
     SandboxTransportError,
     SandboxUnavailableError,
     open_runtime,
@@ -246,6 +250,11 @@ async def _collect_verdict(
             raise JudgeSandboxLost(spec.name, message, trace)
         raise JudgeModelFailed(spec.name, f"{kind}: {message}", trace)
     if spec.verdict_source() == "reply":
+        size = len((trace.output or "").encode("utf-8", "surrogateescape"))
+        if size > spec.verdict_max_bytes:
+            raise VerdictInvalid(
+                spec.name, f"the reply is larger than {spec.verdict_max_bytes} bytes", trace
+            )
         try:
             data = parse_reply_json(trace.output)
         except ValueError as exc:
@@ -263,10 +272,21 @@ async def _collect_verdict(
         ) from exc
     except (SandboxUnavailableError, SandboxTransportError) as exc:
         raise JudgeSandboxLost(spec.name, f"sandbox lost reading {path}: {exc}", trace) from exc
+    except (
+        SandboxIsADirectoryError,
+        SandboxNotADirectoryError,
+        SandboxPermissionError,
+        SandboxInvalidArgumentError,
+    ) as exc:
+        raise VerdictInvalid(
+            spec.name, f"{path} is not a readable regular file: {exc}", trace
+        ) from exc
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise VerdictInvalid(spec.name, f"{path} is not JSON: {exc}", trace) from exc
+    except RecursionError:
+        raise VerdictInvalid(spec.name, f"{path} is nested too deeply to parse", trace) from None
     return _validate(spec, data, trace)
 
 

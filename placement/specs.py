@@ -150,7 +150,7 @@ def load_judges(path: str | Path) -> list[JudgeSpec]:
     source = Path(path)
     try:
         data = yaml.safe_load(source.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, RecursionError, yaml.YAMLError) as exc:
         raise PlacementConfigError(f"cannot read judges file {source}: {exc}") from exc
     items = data.get("judges") if isinstance(data, dict) else data
     if not isinstance(items, list) or not items:

@@ -51,6 +51,10 @@ PathLike = str | os.PathLike[str]
 
 _NEW, _STARTING, _OPEN, _CLOSING, _CLOSED = "new", "starting", "open", "closing", "closed"
 
+_NAME_MAX = 255
+_PATH_MAX = 4095
+"""Linux's limits on one path component and on a whole path, in bytes."""
+
 MARK_VAR = "VF_SANDBOX_RUNTIME"
 """Every command a runtime starts carries ``VF_SANDBOX_RUNTIME=<runtime mark>`` in its
 environment, so :meth:`Runtime.stop_processes` can find what is left of them."""
@@ -238,7 +242,8 @@ class Runtime(abc.ABC):
             SandboxFileNotFoundError: the program or ``cwd`` does not exist.
             SandboxPermissionError: the program is not executable, or ``user`` is refused.
             SandboxNotADirectoryError: ``cwd`` is not a directory.
-            SandboxInvalidArgumentError: empty argv, NUL bytes, bad env names, argv too large.
+            SandboxInvalidArgumentError: empty argv, NUL bytes, bad env names, argv too large,
+                text (argv, env, ``stdin``) with a lone surrogate that stands for no byte.
 
         Cancelling the awaiting task kills the process tree too, then lets the
         cancellation propagate.
@@ -302,7 +307,7 @@ class Runtime(abc.ABC):
         """
         self._check_open()
         resolved = self.resolve_path(path)
-        payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        payload = _text_bytes(data, "data") if isinstance(data, str) else bytes(data)
         with self._guard("write", resolved):
             await self._write(resolved, payload)
 
@@ -326,12 +331,19 @@ class Runtime(abc.ABC):
         Raises:
             SandboxFileNotFoundError: nothing at ``path`` and not ``missing_ok``.
             SandboxPermissionError: not removable.
-            SandboxInvalidArgumentError: a malformed path, or the workdir or ``/`` itself.
+            SandboxInvalidArgumentError: a malformed path, or ``/``, the workdir or a
+                parent of the workdir.
         """
         self._check_open()
         resolved = self.resolve_path(path)
-        if posixpath.normpath(resolved) == "/":
+        target = posixpath.normpath(resolved)
+        workdir = posixpath.normpath(self.workdir)
+        if target == "/":
             raise SandboxInvalidArgumentError("refusing to remove '/'")
+        if target == workdir or workdir.startswith(target + "/"):
+            raise SandboxInvalidArgumentError(
+                f"refusing to remove the workdir {self.workdir!r} or a parent of it ({resolved!r})"
+            )
         with self._guard("remove", resolved):
             if not await self._exists(resolved):
                 if missing_ok:
@@ -346,10 +358,12 @@ class Runtime(abc.ABC):
 
         Raises:
             FileNotFoundError: the local source does not exist (a host-side error).
+            SandboxInvalidArgumentError: a NUL byte in ``local``, a malformed ``remote``.
             SandboxNotADirectoryError / SandboxIsADirectoryError: kinds clash at ``remote``.
             SandboxPermissionError: not writable.
         """
         self._check_open()
+        _check_local_path(local)
         source = Path(local)
         if not await anyio.Path(source).exists():
             raise FileNotFoundError(
@@ -368,8 +382,10 @@ class Runtime(abc.ABC):
             SandboxFileNotFoundError: nothing at ``remote``.
             SandboxPermissionError: not readable.
             OutputLimitExceededError: the tree is larger than the config's ``read_limit``.
+            SandboxInvalidArgumentError: a NUL byte in ``local``, a malformed ``remote``.
         """
         self._check_open()
+        _check_local_path(local)
         resolved = self.resolve_path(remote)
         with self._guard("download", resolved):
             await self._download(resolved, Path(local))
@@ -403,7 +419,9 @@ class Runtime(abc.ABC):
         """An absolute sandbox path: relative ones are joined to the workdir.
 
         Raises:
-            SandboxInvalidArgumentError: empty, or containing a NUL byte.
+            SandboxInvalidArgumentError: empty, containing a NUL byte or a lone surrogate
+                that stands for no byte, a component over 255 bytes (NAME_MAX) or the whole
+                over 4095 bytes (PATH_MAX).
         """
         text = os.fspath(path)
         if not isinstance(text, str):
@@ -412,9 +430,9 @@ class Runtime(abc.ABC):
             raise SandboxInvalidArgumentError("empty path")
         if "\x00" in text:
             raise SandboxInvalidArgumentError(f"path contains a NUL byte: {text!r}")
-        if text.startswith("/"):
-            return text
-        return posixpath.join(self.workdir, text)
+        resolved = text if text.startswith("/") else posixpath.join(self.workdir, text)
+        _check_path_length(resolved)
+        return resolved
 
     def _exec_request(
         self,
@@ -441,18 +459,21 @@ class Runtime(abc.ABC):
                 )
             if "\x00" in arg:
                 raise SandboxInvalidArgumentError(f"argv item contains a NUL byte: {arg[:60]!r}")
+            _text_bytes(arg, "an argv item")
         merged_env = dict(self.config.env)
         merged_env[MARK_VAR] = self._mark
         for key, value in (env or {}).items():
             if not key or "=" in key or "\x00" in key or "\x00" in value:
                 raise SandboxInvalidArgumentError(f"invalid environment variable {key!r}")
+            _text_bytes(key, "an environment variable's name")
+            _text_bytes(value, f"the value of environment variable {key!r}")
             merged_env[key] = value
         if timeout is not None and timeout <= 0:
             raise SandboxInvalidArgumentError(f"timeout must be > 0, got {timeout}")
         limit = self.config.output_limit if output_limit is None else output_limit
         if limit <= 0:
             raise SandboxInvalidArgumentError(f"output_limit must be > 0, got {limit}")
-        data = stdin.encode("utf-8") if isinstance(stdin, str) else stdin
+        data = _text_bytes(stdin, "stdin") if isinstance(stdin, str) else stdin
         return ExecRequest(
             argv=args,
             cwd=self.workdir if cwd is None else self.resolve_path(cwd),
@@ -602,6 +623,41 @@ class Runtime(abc.ABC):
     def _close_at_exit(self) -> None:
         """The atexit backstop: close this runtime on a fresh event loop."""
         anyio.run(self.close)
+
+
+def _text_bytes(text: str, what: str) -> bytes:
+    """``text`` as the bytes the sandbox sees: UTF-8, where the lone surrogates Python
+    uses for undecodable bytes (``os.fsdecode``, ``surrogateescape``) stand for those bytes.
+
+    Raises:
+        SandboxInvalidArgumentError: a lone surrogate that stands for no byte.
+    """
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as exc:
+        raise SandboxInvalidArgumentError(
+            f"{what} is not encodable text (a lone surrogate at position {exc.start}): "
+            f"{text[:60]!r}"
+        ) from None
+
+
+def _check_path_length(path: str) -> None:
+    encoded = _text_bytes(path, "a path")
+    shown = path if len(path) <= 80 else f"{path[:80]}... ({len(encoded)} bytes)"
+    if len(encoded) > _PATH_MAX:
+        raise SandboxInvalidArgumentError(
+            f"path longer than the kernel's {_PATH_MAX}-byte limit (PATH_MAX): {shown!r}"
+        )
+    if max(len(part) for part in encoded.split(b"/")) > _NAME_MAX:
+        raise SandboxInvalidArgumentError(
+            f"a path component is longer than the kernel's {_NAME_MAX}-byte limit "
+            f"(NAME_MAX): {shown!r}"
+        )
+
+
+def _check_local_path(local: PathLike) -> None:
+    if "\x00" in os.fspath(local):
+        raise SandboxInvalidArgumentError(f"local path contains a NUL byte: {local!r}")
 
 
 def _shell_error(path: str, sink: OutputSink) -> SandboxError:

@@ -50,7 +50,14 @@ import anyio.lowlevel
 from pydantic import Field, field_validator
 
 from . import session
-from .base import Runtime
+from .base import MARK_VAR, Runtime
+from .channel import (
+    ChannelHooks,
+    ChannelInfo,
+    ChannelSupervisor,
+    ChannelTransport,
+    agent_command,
+)
 from .config import RuntimeConfig
 from .errors import (
     OutputLimitExceededError,
@@ -101,6 +108,7 @@ _THREADS = 64
 # Go's os.FileMode bits, as the archive API's stat header reports them.
 _MODE_DIR = 1 << 31
 _MODE_SYMLINK = 1 << 27
+_MODE_PIPE_OR_SOCKET = (1 << 25) | (1 << 24)
 
 # The prelude every command runs through. $0 is the cwd, "$@" the argv. It answers on
 # the first line of stdout, either ``vf-sandbox:pid=N`` (then execs the program, so N is
@@ -144,11 +152,18 @@ exec "$@"
 """
 
 _KILL_GROUP = 'kill -9 "-$1" 2>/dev/null || kill -9 "$1" 2>/dev/null; exit 0'
+# A kill retried later: only if the group's leader is still a command of this runtime
+# (its environment carries the runtime's mark; a restarted container reuses pids).
+_KILL_ORPHAN = (
+    'tr "\\0" "\\n" < "/proc/$1/environ" 2>/dev/null | grep -qxF -- "$2" && '
+    'kill -9 -- "-$1" 2>/dev/null; exit 0'
+)
 
 # Every exec is a session of its own (docker exec calls setsid); the keep-alive and init
 # are session 1. So in an owned container "every process not in session 1" is exactly
 # what commands started, including daemons that double-forked or scrubbed their env.
 _STOP_ALL_SCRIPT = r"""
+keep=${1:-none}
 total=0
 for round in 1 2 3 4 5; do
   found=0
@@ -159,6 +174,7 @@ for round in 1 2 3 4 5; do
     set -f; set -- ${s##*) }; set +f
     [ "$4" = 1 ] && continue
     [ "$4" = "$$" ] && continue
+    [ "$4" = "$keep" ] && continue
     kill -KILL "$p" 2>/dev/null && found=$((found + 1))
   done
   total=$((total + found))
@@ -228,6 +244,10 @@ class DockerConfig(RuntimeConfig):
     max_live: int = Field(default=64, ge=1)
     creations_per_second: float | None = Field(default=10.0, gt=0)
     name_prefix: str = "vf-sandbox"
+    channel: bool = Field(
+        default=True,
+        description="run commands and files through a persistent in-sandbox agent (python3)",
+    )
 
     @field_validator("workdir")
     @classmethod
@@ -345,12 +365,21 @@ def _transport_guard(fn: Callable[[], T], engine: str) -> Callable[[], T]:
             return fn()
         except SandboxError:
             raise
+        except UnicodeEncodeError as exc:  # a path with a lone surrogate, in a URL
+            raise _not_engine_text(exc, engine) from None
         except Exception as exc:
             if _is_transport_failure(exc):
                 raise SandboxTransportError(f"{engine} did not answer: {exc}") from exc
             raise
 
     return guarded
+
+
+def _not_engine_text(exc: UnicodeEncodeError, engine: str) -> SandboxInvalidArgumentError:
+    return SandboxInvalidArgumentError(
+        f"{engine} takes only valid UTF-8 text, not {exc.object!r}: pass undecodable bytes "
+        "through stdin or file content (or use the channel, which carries them)"
+    )
 
 
 async def _blocking(
@@ -561,6 +590,70 @@ def _buffered_bytes(response: requests.Response, raw: Any) -> bytes:
         return b""
 
 
+class _AgentStream(ChannelTransport):
+    """The channel agent's exec stream (see :mod:`runtimes.channel`), for blocking use by
+    the channel's threads: the engine's 8-byte frame headers are stripped, stdout is the
+    agent's framed protocol, the tail of stderr is kept for failure messages."""
+
+    def __init__(self, hijacked: _Hijacked) -> None:
+        self._hijacked = hijacked
+        self._sock = hijacked.sock
+        self._raw = bytearray(hijacked.leftover)
+        self._stderr = bytearray()
+        with contextlib.suppress(OSError, AttributeError):
+            self._sock.settimeout(None)  # _buffered_bytes may have left it non-blocking
+
+    def recv(self) -> bytes:
+        while True:
+            out = self._demultiplex()
+            if out:
+                return out
+            data: bytes = self._sock.recv(_STREAM_CHUNK)
+            if not data:
+                return b""
+            self._raw += data
+
+    def _demultiplex(self) -> bytes:
+        raw = self._raw
+        out = bytearray()
+        pos = 0
+        while len(raw) - pos >= 8:
+            size = int.from_bytes(raw[pos + 4 : pos + 8], "big")
+            if len(raw) - pos - 8 < size:
+                break
+            payload = raw[pos + 8 : pos + 8 + size]
+            if raw[pos] == 2:
+                self._stderr += payload
+                del self._stderr[:-4096]
+            else:
+                out += payload
+            pos += 8 + size
+        del raw[:pos]
+        return bytes(out)
+
+    def send(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def try_send(self, data: bytes) -> int:
+        if type(self._sock) is not socket.socket:
+            return 0  # TLS or an ssh:// channel: the writer thread does it
+        try:
+            return self._sock.send(data, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(Exception):
+            self._sock.close()
+        with contextlib.suppress(Exception):
+            self._hijacked.response.close()
+
+    def diagnostics(self) -> str:
+        return self._stderr.decode("utf-8", "replace").strip()[-500:]
+
+
 async def _open_channel(hijacked: _Hijacked) -> _Channel:
     raw = hijacked.sock
     if type(raw) is socket.socket and raw.family == socket.AF_UNIX:
@@ -671,7 +764,7 @@ def _prelude_error(code: str, request: ExecRequest) -> SandboxError:
 def _engine_exec_error(text: str, request: ExecRequest, where: str) -> SandboxError:
     """The engine refused to start the command; ``text`` is its message."""
     lowered = text.lower()
-    if "argument list too long" in lowered:
+    if "argument list too long" in lowered or "exceed maximum message" in lowered:
         size = sum(len(a.encode()) + 1 for a in request.argv)
         return SandboxInvalidArgumentError(
             f"argument list too long for the kernel ({size} bytes); "
@@ -868,11 +961,29 @@ class DockerRuntime(Runtime):
         self._holds_slot = False
         self._default_user: str | None = self.config.user
         self._files_as_root = True
+        self._orphans: set[int] = set()
+        """Process groups whose kill could not be delivered (the container was paused, the
+        engine did not answer): killed before the next command, or on close."""
+        self._channels = ChannelSupervisor(
+            self.config.channel,
+            self.describe,
+            ChannelHooks(
+                open_transport=self._open_agent_stream,
+                kill_group=self._kill_group,
+                lost_means_dead=self._died_with_container,
+                probe_dead=self._stopped,
+            ),
+        )
 
     @property
     def sandbox_id(self) -> str | None:
         """The container's full id, once created (or attached)."""
         return self._container_id
+
+    @property
+    def channel_info(self) -> ChannelInfo:
+        """The state of the persistent channel (``docs/channel.md``)."""
+        return self._channels.info
 
     @property
     def attached(self) -> bool:
@@ -920,11 +1031,29 @@ class DockerRuntime(Runtime):
             )
         except SandboxTransportError as exc:
             raise ProvisioningError(f"cannot reach {_engine_name(self.config)}: {exc}") from exc
+        container = None
         if self._owned:
-            workdir = await self._create_container()
+            workdir, container = await self._create_container()
         else:
             workdir = await self._attach()
+        failures: list[Exception] = []
+        async with anyio.create_task_group() as tg:
+            # The channel's agent boots (tens of milliseconds) while the engine confirms
+            # that the container runs and the workdir is prepared.
+            tg.start_soon(self._channels.start)
+            try:
+                await self._confirm_ready(container, workdir)
+            except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
+                failures.append(exc)
+                tg.cancel_scope.cancel()
+        if failures:
+            raise failures[0]
+        return workdir
+
+    async def _confirm_ready(self, container: Any, workdir: str) -> None:
         try:
+            if container is not None:
+                await _blocking(lambda: self._confirm_running_blocking(container), self.config)
             with anyio.fail_after(self.config.start_timeout):
                 await self._prepare(workdir)
         except TimeoutError:
@@ -935,9 +1064,10 @@ class DockerRuntime(Runtime):
             raise
         except SandboxError as exc:
             raise ProvisioningError(f"{self.describe()} is not usable: {exc}") from exc
-        return workdir
 
-    async def _create_container(self) -> str:
+    async def _create_container(self) -> tuple[str, Any]:
+        """Create and start the container; return the workdir and the SDK's container (not
+        yet confirmed running: see ``_confirm_running_blocking``)."""
         cfg = self.config
         client = self._require_client()
         image_user = await self._check_image(client)
@@ -945,12 +1075,12 @@ class DockerRuntime(Runtime):
             init = cfg.init
             if init is None:
                 init = await _blocking(lambda: _engine_has_init(client), cfg, idempotent=True)
-            await _blocking(lambda: self._create_and_start(client, init), cfg)
+            container = await _blocking(lambda: self._create_and_start(client, init), cfg)
         except SandboxTransportError as exc:
             raise ProvisioningError(f"cannot create a container from {cfg.image!r}: {exc}") from exc
         self._default_user = cfg.user or image_user or None
         self._files_as_root = _is_root_user(self._default_user)
-        return cfg.workdir or DEFAULT_WORKDIR
+        return cfg.workdir or DEFAULT_WORKDIR, container
 
     async def _check_image(self, client: docker.DockerClient) -> str:
         """The image's configured user ("" for root); never pulls."""
@@ -974,7 +1104,7 @@ class DockerRuntime(Runtime):
         settings = image.attrs.get("Config") or {}
         return str(settings.get("User") or "")
 
-    def _create_and_start(self, client: docker.DockerClient, init: bool) -> None:
+    def _create_and_start(self, client: docker.DockerClient, init: bool) -> Any:
         """Create then start; the id is recorded before start so close() can remove it."""
         import docker.errors
 
@@ -1000,7 +1130,6 @@ class DockerRuntime(Runtime):
             container = client.containers.create(cfg.image, **options)
             self._container_id = container.id
             container.start()
-            container.reload()
         except docker.errors.ImageNotFound:
             raise ProvisioningError(
                 f"docker image {cfg.image!r} is not present (never pulled)"
@@ -1008,6 +1137,20 @@ class DockerRuntime(Runtime):
         except docker.errors.APIError as exc:
             raise ProvisioningError(
                 f"the engine refused to run a container from {cfg.image!r}: {_api_message(exc)}"
+            ) from exc
+        return container
+
+    def _confirm_running_blocking(self, container: Any) -> None:
+        """A container whose command exited at once (an ENTRYPOINT that ignores its
+        arguments, say) is a ProvisioningError carrying its last log lines."""
+        import docker.errors
+
+        cfg = self.config
+        try:
+            container.reload()
+        except docker.errors.APIError as exc:
+            raise ProvisioningError(
+                f"the container from {cfg.image!r} vanished after start: {_api_message(exc)}"
             ) from exc
         if container.status != "running":
             logs = container.logs(tail=20).decode("utf-8", "replace").strip()
@@ -1060,9 +1203,12 @@ class DockerRuntime(Runtime):
             )
 
     async def _close(self) -> None:
+        await self._channels.close()
         try:
             if self._owned and self._container_id is not None and self._client is not None:
                 await _blocking(self._remove_blocking, self.config, idempotent=True)
+            elif self._orphans and self._container_id is not None and self._client is not None:
+                await self._kill_orphans()  # a borrowed container keeps running: leave it clean
         finally:
             self._release_slot()
 
@@ -1082,6 +1228,7 @@ class DockerRuntime(Runtime):
 
     def _close_at_exit(self) -> None:
         """atexit backstop: remove the container synchronously through the SDK."""
+        self._channels.close_now()
         try:
             if self._owned and self._container_id is not None and self._client is not None:
                 self._remove_blocking()
@@ -1147,7 +1294,10 @@ class DockerRuntime(Runtime):
         if not self._owned:
             return await super().stop_processes()
         self._check_open()
-        request, sink = self._request(["sh", "-c", _STOP_ALL_SCRIPT], user="0")
+        agent = self._channels.info.agent_pid  # docker exec made it a session leader
+        request, sink = self._request(
+            ["sh", "-c", _STOP_ALL_SCRIPT, "sh", str(agent or "")], user="0"
+        )
         with self._guard("stop_processes"):
             code = await self._run(request, sink)
         text = bytes(sink.stdout).decode("utf-8", "replace").strip()
@@ -1191,10 +1341,14 @@ class DockerRuntime(Runtime):
                 request.argv[0],
                 f"cannot run as {request.user!r}: the sandbox runs as {self._default_user!r}",
             )
-        return await self._run(request, sink)
+        if self._orphans:
+            await self._kill_orphans()
+        return await self._channels.exec(request, sink, lambda: self._run(request, sink))
 
     async def _run(self, request: ExecRequest, sink: OutputSink) -> int:
         """Run a command (the runtime's own ones too, which may use root)."""
+        if self._orphans:
+            await self._kill_orphans()
         with anyio.CancelScope(shield=True):
             # Once the engine started the command, nothing may lose the handle on it.
             hijacked = await self._start_exec(request)
@@ -1216,7 +1370,12 @@ class DockerRuntime(Runtime):
             raise
         with anyio.CancelScope(shield=True):
             await _close_channel(channel, hijacked)
-        return await self._exit_code(hijacked.exec_id, output, request)
+        try:
+            return await self._exit_code(hijacked.exec_id, output, request)
+        except SandboxTransportError:
+            if output.pid is not None:  # lost track of a command that may still run
+                self._orphans.add(output.pid)
+            raise
 
     async def _start_exec(self, request: ExecRequest) -> _Hijacked:
         import docker.errors
@@ -1226,6 +1385,11 @@ class DockerRuntime(Runtime):
         user = request.user if request.user is not None else self.config.user
         command = ["sh", "-c", _PRELUDE, request.cwd, *request.argv]
         environment = [f"{key}={value}" for key, value in request.env.items()]
+        for text in (*command, *environment):
+            try:
+                text.encode("utf-8")  # the engine would turn a lone surrogate into U+FFFD
+            except UnicodeEncodeError as exc:
+                raise _not_engine_text(exc, _engine_name(self.config)) from None
 
         def create_and_start() -> _Hijacked:
             created = api.exec_create(
@@ -1257,7 +1421,7 @@ class DockerRuntime(Runtime):
                     return
                 output.feed(chunk)
 
-    async def _kill_group(self, pid: int | None) -> None:
+    async def _kill_group(self, pid: int | None, *, orphan: bool = False) -> None:
         """Kill a command's process group inside the container, and wait for the kill.
 
         Runs after the command's stream was closed: the engine handles one container's
@@ -1271,15 +1435,36 @@ class DockerRuntime(Runtime):
         api = self._require_client().api
         cid = self._require_id()
 
+        if orphan:
+            argv = ["sh", "-c", _KILL_ORPHAN, "sh", str(pid), f"{MARK_VAR}={self._mark}"]
+        else:
+            argv = ["sh", "-c", _KILL_GROUP, "sh", str(pid)]
+
         def kill() -> None:
-            created = api.exec_create(cid, ["sh", "-c", _KILL_GROUP, "sh", str(pid)], user="0")
+            created = api.exec_create(cid, argv, user="0")
             api.exec_start(str(created["Id"]))
 
         try:
-            with anyio.move_on_after(_KILL_WAIT):
+            with anyio.move_on_after(_KILL_WAIT) as waited:
                 await _blocking(kill, self.config, abandon_on_cancel=True)
         except (docker.errors.APIError, SandboxError) as exc:
-            log.warning("could not kill process group %s in %s: %s", pid, self.describe(), exc)
+            log.warning(
+                "could not kill process group %s in %s (retried before the next command): %s",
+                pid,
+                self.describe(),
+                exc,
+            )
+            self._orphans.add(pid)
+        else:
+            if waited.cancelled_caught:
+                self._orphans.add(pid)
+
+    async def _kill_orphans(self) -> None:
+        """Kill the process groups earlier kills missed, if they are still this runtime's."""
+        orphans, self._orphans = self._orphans, set()
+        with anyio.CancelScope(shield=True):
+            for pid in sorted(orphans):
+                await self._kill_group(pid, orphan=True)
 
     async def _exit_code(self, exec_id: str, output: _ExecOutput, request: ExecRequest) -> int:
         import docker.errors
@@ -1322,6 +1507,45 @@ class DockerRuntime(Runtime):
                 f"{self.describe()} died while running {request.argv[0]!r}"
             )
         return int(code)
+
+    async def _open_agent_stream(self) -> ChannelTransport:
+        """Start the channel agent with stdin attached (as the sandbox's default user)."""
+        import docker.errors
+
+        api = self._require_client().api
+        cid = self._require_id()
+
+        def open_stream() -> _Hijacked:
+            created = api.exec_create(
+                cid,
+                agent_command(),
+                stdin=True,
+                stdout=True,
+                stderr=True,
+                user=self.config.user or "",
+                workdir="/",
+            )
+            return _hijack(api, str(created["Id"]))
+
+        try:
+            hijacked = await _blocking(open_stream, self.config)
+        except docker.errors.APIError as exc:
+            if _container_is_gone(exc):
+                raise self._gone_error(exc) from None
+            raise SandboxError(
+                f"{self.describe()}: the engine refused the channel agent: {_api_message(exc)}"
+            ) from exc
+        return _AgentStream(hijacked)
+
+    async def _stopped(self) -> bool:
+        """The channel's probe during a silence: stopped, paused or removed."""
+        import docker.errors
+
+        try:
+            return not await self._alive()
+        except docker.errors.APIError as exc:
+            log.debug("%s: inspect failed during a channel probe: %s", self.describe(), exc)
+            return False
 
     async def _died_with_container(self) -> bool:
         """After a command died of SIGKILL: was that the container going down?
@@ -1391,6 +1615,9 @@ class DockerRuntime(Runtime):
         return path, stat
 
     async def _read(self, path: str, limit: int) -> bytes:
+        return await self._channels.read(path, limit, lambda: self._plain_read(path, limit))
+
+    async def _plain_read(self, path: str, limit: int) -> bytes:
         if not self._files_as_root:
             return await self._read_by_exec(path, limit)
         return await _blocking(
@@ -1414,12 +1641,17 @@ class DockerRuntime(Runtime):
                     continue
                 if _is_dir(stat):
                     raise SandboxIsADirectoryError(path)
+                if int(stat.get("mode", 0)) & _MODE_PIPE_OR_SOCKET:
+                    raise SandboxInvalidArgumentError(f"{path!r} is a FIFO or a socket, not a file")
                 if int(stat.get("size", 0)) > limit:
                     raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
                 return _single_file(response, path, limit)
         raise error_for_errno(40, path, "too many levels of symbolic links")
 
     async def _write(self, path: str, data: bytes) -> None:
+        await self._channels.write(path, data, lambda: self._plain_write(path, data))
+
+    async def _plain_write(self, path: str, data: bytes) -> None:
         if not self._files_as_root:
             await self._write_by_exec(path, data)
             return
@@ -1479,6 +1711,12 @@ class DockerRuntime(Runtime):
             raise SandboxFileNotFoundError(shown, "a parent directory vanished")
 
     async def _exists(self, path: str) -> bool:
+        return await self._channels.exists(path, lambda: self._plain_exists(path))
+
+    async def _remove(self, path: str) -> None:
+        await self._channels.remove(path, lambda: super(DockerRuntime, self)._remove(path))
+
+    async def _plain_exists(self, path: str) -> bool:
         if not self._files_as_root:
             return await super()._exists(path)
 

@@ -46,7 +46,7 @@ import math
 import secrets as _secrets
 import shlex
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -63,6 +63,13 @@ from tenacity import (
 
 from . import limits, session
 from .base import Runtime, live_runtimes
+from .channel import (
+    ChannelHooks,
+    ChannelInfo,
+    ChannelSupervisor,
+    ChannelTransport,
+    agent_command,
+)
 from .config import RuntimeConfig
 from .errors import (
     ExecTimeoutError,
@@ -282,6 +289,10 @@ class ModalConfig(RuntimeConfig):
     creations_per_second: float | None = Field(default=None, gt=0)
     create_attempts: int = Field(default=6, ge=1, le=20)
     create_timeout: float = Field(default=600.0, gt=0)
+    channel: bool = Field(
+        default=True,
+        description="run commands and files through a persistent in-sandbox agent (python3)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -388,6 +399,43 @@ def _argv_size(argv: list[str]) -> int:
     return sum(len(a.encode("utf-8")) for a in argv)
 
 
+class _AgentProcess(ChannelTransport):
+    """The channel agent's process (one ``Sandbox.exec`` with stdin), driven through the
+    SDK's blocking interface from the channel's threads."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+        self._chunks: Iterator[Any] | None = None
+        self._closed = False
+
+    def recv(self) -> bytes:
+        if self._chunks is None:
+            self._chunks = iter(self._process.stdout)
+        for chunk in self._chunks:
+            if chunk:
+                return bytes(chunk)
+        return b""
+
+    def send(self, data: bytes) -> None:
+        self._process.stdin.write(data)
+        self._process.stdin.drain()
+
+    def close(self) -> None:
+        """EOF to the agent (it then exits, ending the stream), from a thread of its own:
+        a dead sandbox or a stopped SDK must not block the caller."""
+        if self._closed:
+            return
+        self._closed = True
+        threading.Thread(target=self._send_eof, name="vf-modal-agent-eof", daemon=True).start()
+
+    def _send_eof(self) -> None:
+        try:
+            self._process.stdin.write_eof()
+            self._process.stdin.drain()
+        except Exception as exc:  # noqa: BLE001 - the process or the sandbox is gone already
+            log.debug("modal: closing the channel agent's stdin failed: %r", exc)
+
+
 class _TooLargeForFilesystemApi(SandboxError):
     """The filesystem API refused a read as too large: read it through exec instead."""
 
@@ -415,6 +463,21 @@ class ModalRuntime(Runtime):
         self._sandbox: Any = None
         self._sandbox_id: str | None = None
         self._holds_slot = False
+        self._channels = ChannelSupervisor(
+            self.config.channel,
+            self.describe,
+            ChannelHooks(
+                open_transport=self._open_agent,
+                kill_group=self._kill_group_plainly,
+                lost_means_dead=self._finished,
+                probe_dead=self._finished,
+            ),
+        )
+
+    @property
+    def channel_info(self) -> ChannelInfo:
+        """The state of the persistent channel (``docs/channel.md``)."""
+        return self._channels.info
 
     @property
     def sandbox_id(self) -> str | None:
@@ -571,9 +634,11 @@ class ModalRuntime(Runtime):
             raise ProvisioningError(
                 f"{self.describe()}: cannot create the workdir {workdir!r}: {exc}"
             ) from exc
+        await self._channels.start()
         return workdir
 
     async def _close(self) -> None:
+        await self._channels.close()
         sandbox, self._sandbox = self._sandbox, None
         try:
             if sandbox is not None:
@@ -612,6 +677,7 @@ class ModalRuntime(Runtime):
 
     def _close_at_exit(self) -> None:
         """The atexit backstop: terminate through the SDK's blocking interface (bounded)."""
+        self._channels.close_now()
         sandbox, self._sandbox = self._sandbox, None
         self._state = "closed"
         self._release_slot()
@@ -764,6 +830,24 @@ class ModalRuntime(Runtime):
     # ------------------------------------------------------------------ exec
 
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
+        self._live_sandbox()
+        return await self._channels.exec(request, sink, lambda: self._plain_exec(request, sink))
+
+    async def _open_agent(self) -> ChannelTransport:
+        """Start the channel agent: one exec with stdin, for the sandbox's lifetime."""
+        sandbox = self._live_sandbox()
+        process = await self._sdk(
+            "exec", "the channel agent", lambda: _call(sandbox.exec, *agent_command(), text=False)
+        )
+        return _AgentProcess(process)
+
+    async def _kill_group_plainly(self, pgid: int) -> None:
+        """The channel's fallback kill, when its agent died holding a process group."""
+        # The shell's kill: procps' kill(1) refuses "-- -PGID".
+        request, sink = self._internal(["sh", "-c", 'kill -s KILL -- "-$1"', "sh", str(pgid)])
+        await self._plain_exec(request, sink)
+
+    async def _plain_exec(self, request: ExecRequest, sink: OutputSink) -> int:
         sandbox = self._live_sandbox()
         nonce = _secrets.token_hex(8)
         argv, spooled = await self._command_line(request, nonce)
@@ -925,6 +1009,9 @@ class ModalRuntime(Runtime):
     # ------------------------------------------------------------------ files
 
     async def _read(self, path: str, limit: int) -> bytes:
+        return await self._channels.read(path, limit, lambda: self._plain_read(path, limit))
+
+    async def _plain_read(self, path: str, limit: int) -> bytes:
         info = await self._files("stat", path, path)
         kind = getattr(info.type, "value", info.type)
         if kind == "directory":
@@ -954,9 +1041,12 @@ class ModalRuntime(Runtime):
         return bytes(sink.stdout)
 
     async def _write(self, path: str, data: bytes) -> None:
-        await self._files("write_bytes", path, data, path)
+        await self._channels.write(path, data, lambda: self._files("write_bytes", path, data, path))
 
     async def _exists(self, path: str) -> bool:
+        return await self._channels.exists(path, lambda: self._plain_exists(path))
+
+    async def _plain_exists(self, path: str) -> bool:
         try:
             await self._files("stat", path, path)
         except (SandboxFileNotFoundError, SandboxNotADirectoryError):
@@ -964,6 +1054,9 @@ class ModalRuntime(Runtime):
         return True
 
     async def _remove(self, path: str) -> None:
+        await self._channels.remove(path, lambda: self._plain_remove(path))
+
+    async def _plain_remove(self, path: str) -> None:
         try:
             try:
                 await self._files("remove", path, path, recursive=False)

@@ -52,6 +52,14 @@ from pydantic import ConfigDict, Field, SecretStr, field_validator, model_valida
 
 from . import session
 from .base import Runtime
+from .channel import (
+    BOOTSTRAP,
+    PROBE,
+    ChannelHooks,
+    ChannelInfo,
+    ChannelSupervisor,
+    ChannelTransport,
+)
 from .config import RuntimeConfig
 from .errors import (
     OutputLimitExceededError,
@@ -103,6 +111,10 @@ _FILE_ERRNOS = frozenset(
 _RETRY_ATTEMPTS = 3
 _HEADER_WAIT = 5.0
 _READER_WAIT = 5.0
+_KILL_WAIT = 5.0
+"""Seconds a process-group kill may take (at most ``io_timeout``): a server that does not
+answer must not hold a timed-out exec for ``io_timeout``. A missed kill is retried before
+the next command."""
 
 
 # ---------------------------------------------------------------------- errors
@@ -173,6 +185,11 @@ class SSHConfig(RuntimeConfig):
         description="seconds without progress before a file or control call fails",
     )
     max_channels: int = Field(default=10, ge=4)
+    channel: bool = Field(
+        default=True,
+        description="run commands and files through a persistent agent (python3 on the host); "
+        "takes one of max_channels, and needs max_channels >= 5",
+    )
 
     @field_validator("host_key")
     @classmethod
@@ -594,9 +611,14 @@ def _wrapper_script(
     return "\n".join(lines) + "\n"
 
 
+def _raw(text: str) -> bytes:
+    """Text as the remote host sees it: UTF-8, lone surrogates back to their bytes."""
+    return text.encode("utf-8", "surrogateescape")
+
+
 def _check_argv_size(request: ExecRequest) -> None:
-    sizes = [len(arg.encode()) + 1 for arg in request.argv]
-    env_sizes = [len(k.encode()) + len(v.encode()) + 2 for k, v in request.env.items()]
+    sizes = [len(_raw(arg)) + 1 for arg in request.argv]
+    env_sizes = [len(_raw(k)) + len(_raw(v)) + 2 for k, v in request.env.items()]
     env_size = sum(env_sizes)
     longest = max(sizes + env_sizes)
     if longest > _MAX_ARG_STRLEN:
@@ -624,6 +646,33 @@ class _Wakeup(threading.Event):
 
     def reset(self) -> None:
         super().clear()
+
+
+class _AgentChannel(ChannelTransport):
+    """The SSH channel the channel agent runs on, for blocking use by the channel's threads."""
+
+    def __init__(self, channel: paramiko.Channel) -> None:
+        self._channel = channel
+
+    def recv(self) -> bytes:
+        return self._channel.recv(_CHUNK)
+
+    def send(self, data: bytes) -> None:
+        self._channel.sendall(data)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def diagnostics(self) -> str:
+        if not self._channel.recv_stderr_ready():
+            return ""
+        return self._channel.recv_stderr(4096).decode("utf-8", "replace").strip()[-500:]
+
+
+def _agent_command_line(marker: str) -> str:
+    """The agent's command for the login shell; the marker lets close() find it."""
+    q = shlex.quote
+    return f"export {_MARKER_VAR}={q(marker)}; exec sh -c {q(PROBE)} sh {q(BOOTSTRAP)}"
 
 
 class _RemoteCommand:
@@ -728,7 +777,7 @@ class _RemoteCommand:
 
 def _start_command(channel: paramiko.Channel, command: str, close_stdin: bool) -> None:
     try:
-        channel.exec_command(command)
+        channel.exec_command(_raw(command))
         if close_stdin:
             channel.shutdown_write()
     except BaseException:
@@ -786,6 +835,9 @@ def _sftp_read(sftp: paramiko.SFTPClient, path: str, limit: int) -> bytes:
         raise
     if stat.S_ISDIR(attrs.st_mode or 0):
         raise SandboxIsADirectoryError(path)
+    if stat.S_ISFIFO(attrs.st_mode or 0) or stat.S_ISSOCK(attrs.st_mode or 0):
+        # The server's read would wait for a writer until io_timeout, then again per retry.
+        raise SandboxInvalidArgumentError(f"{path!r} is a FIFO or a socket, not a file")
     size = attrs.st_size or 0
     if size > limit:
         raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
@@ -908,6 +960,17 @@ def _kill_script(pgids: Iterable[int], marker: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _orphan_kill_script(pgids: Iterable[int], marker: str) -> str:
+    """Kill each process group whose leader's environment carries the marker."""
+    entry = shlex.quote(f"{_MARKER_VAR}={marker}")
+    groups = " ".join(str(int(pgid)) for pgid in sorted(set(pgids)))
+    return (
+        f"for g in {groups}; do\n"
+        f"  if grep -qsxzF -e {entry} /proc/$g/environ; then kill -s KILL -- -$g 2>/dev/null; fi\n"
+        "done\ntrue\n"
+    )
+
+
 def _remove_script(directory: str) -> str:
     d = shlex.quote(directory)
     return f"chmod -R u+rwx -- {d} 2>/dev/null; rm -rf -- {d}\n"
@@ -968,6 +1031,22 @@ class SSHRuntime(Runtime):
         self._control_slots: anyio.Semaphore | None = None
         self._call_limiter: anyio.CapacityLimiter | None = None
         self._stream_limiter: anyio.CapacityLimiter | None = None
+        self._orphans: set[int] = set()
+        """Process groups whose kill could not be delivered: killed before the next command."""
+        self._channels = ChannelSupervisor(
+            self.config.channel and self.config.max_channels >= 5,
+            self.describe,
+            ChannelHooks(
+                open_transport=self._open_agent,
+                kill_group=self._kill_group_plainly,
+                lost_means_dead=_never,
+            ),
+        )
+
+    @property
+    def channel_info(self) -> ChannelInfo:
+        """The state of the persistent channel (``docs/channel.md``)."""
+        return self._channels.info
 
     @property
     def sandbox_id(self) -> str | None:
@@ -987,7 +1066,8 @@ class SSHRuntime(Runtime):
         channels = self.config.max_channels
         self._connect_lock = anyio.Lock()
         self._sftp_lock = anyio.Lock()
-        self._exec_slots = anyio.Semaphore(channels - 3)
+        # SFTP, two control channels and (when enabled) the channel agent keep theirs.
+        self._exec_slots = anyio.Semaphore(channels - 3 - int(self._channels.enabled))
         self._control_slots = anyio.Semaphore(2)
         self._call_limiter = anyio.CapacityLimiter(channels)
         self._stream_limiter = anyio.CapacityLimiter(3 * channels)
@@ -1018,12 +1098,14 @@ class SSHRuntime(Runtime):
         self._tools = _Tools(setsid=setsid, env=env, runuser=runuser or None)
         self._owns_workdir = self.config.workdir is None
         log.debug("opened %s (workdir %s)", self.describe(), workdir)
+        await self._channels.start()
         return workdir
 
     def _open_connection(self) -> _Connection:
         return _Connection(_connect(self.config, self._accepted_keys), self.config.io_timeout)
 
     async def _close(self) -> None:
+        await self._channels.close()
         try:
             if self._dir is not None:
                 await self._remove_remote()
@@ -1058,6 +1140,7 @@ class SSHRuntime(Runtime):
         paramiko's own atexit hook (registered after ours, so run before it) has already
         stopped every transport by then: reconnect to remove the sandbox.
         """
+        self._channels.close_now()
         conn = self._conn
         try:
             if self._dir is not None:
@@ -1160,8 +1243,11 @@ class SSHRuntime(Runtime):
         )
         return await retrying(fn, *args)
 
-    async def _control(self, script: str, stdin: bytes | None = None) -> tuple[int, bytes, bytes]:
-        """Run a bookkeeping script on its own channel (not retried)."""
+    async def _control(
+        self, script: str, stdin: bytes | None = None, *, timeout: float | None = None
+    ) -> tuple[int, bytes, bytes]:
+        """Run a bookkeeping script on its own channel (not retried); ``timeout`` defaults
+        to ``io_timeout``."""
         import paramiko
 
         assert self._control_slots is not None
@@ -1169,7 +1255,7 @@ class SSHRuntime(Runtime):
             conn = await self._connection()
             try:
                 return await self._thread(
-                    _run_control, conn.transport, script, stdin, self.config.io_timeout
+                    _run_control, conn.transport, script, stdin, timeout or self.config.io_timeout
                 )
             except (paramiko.SSHException, OSError, EOFError) as exc:
                 raise self._broken(conn, "a control command", exc) from exc
@@ -1190,6 +1276,10 @@ class SSHRuntime(Runtime):
                 return await self._thread(call)
             except SandboxError:
                 raise
+            except UnicodeEncodeError as exc:  # paramiko sends paths as strict UTF-8
+                raise SandboxInvalidArgumentError(
+                    f"{self.describe()}: SFTP takes only valid UTF-8 paths, not {exc.object!r}"
+                ) from None
             except (paramiko.SSHException, OSError, EOFError) as exc:
                 if self._connection_failed(conn, exc) or conn.sftp_closed():
                     raise self._broken(conn, what, exc) from exc
@@ -1215,15 +1305,51 @@ class SSHRuntime(Runtime):
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
         run_as = self._run_as(request)
         _check_argv_size(request)
+        assert self._marker is not None
+        if self._orphans:
+            await self._kill_orphans()
+        return await self._channels.exec(
+            request,
+            sink,
+            lambda: self._plain_exec(request, sink, run_as),
+            {_MARKER_VAR: self._marker},
+        )
+
+    async def _open_agent(self) -> ChannelTransport:
+        """Start the channel agent on a channel of its own (stdin attached)."""
+        import paramiko
+
+        assert self._marker is not None
+        conn, channel = await self._retrying(self._open_channel)
+        try:
+            await self._thread(_start_command, channel, _agent_command_line(self._marker), False)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            if self._connection_failed(conn, exc):
+                raise self._broken(conn, "starting the channel agent", exc) from exc
+            raise SandboxError(f"{self.describe()}: the server refused the agent: {exc}") from exc
+        return _AgentChannel(channel)
+
+    async def _kill_group_plainly(self, pgid: int) -> None:
+        """The channel's fallback kill, when its agent died holding a process group."""
+        conn = self._conn
+        if conn is None or not conn.usable():
+            return  # the connection went: the agent saw its stdin end and killed the group
+        try:
+            await self._control(_kill_script([pgid], None), timeout=self._kill_wait)
+        except SandboxError as exc:
+            log.warning("%s: could not kill process group %s: %s", self.describe(), pgid, exc)
+            self._orphans.add(pgid)
+
+    async def _plain_exec(self, request: ExecRequest, sink: OutputSink, run_as: str | None) -> int:
         assert self._exec_slots is not None and self._marker is not None and self._dir is not None
         assert self._tools is not None
         nonce = "vfsbx" + secrets.token_hex(12)
         script = _wrapper_script(request, nonce, self._marker, self._tools, run_as, False)
         command = "sh -c " + shlex.quote(script)
-        if len(command.encode()) > _INLINE_SCRIPT_LIMIT:
+        if len(_raw(command)) > _INLINE_SCRIPT_LIMIT:
             path = f"{self._dir}/x/{nonce}.sh"
             big = _wrapper_script(request, nonce, self._marker, self._tools, run_as, True)
-            await self._retrying(self._sftp_call, _sftp_write, path, big.encode())
+            await self._retrying(self._sftp_call, _sftp_write, path, _raw(big))
             command = "sh " + shlex.quote(path)
         async with self._exec_slots:
             conn, channel = await self._retrying(self._open_channel)
@@ -1334,27 +1460,56 @@ class SSHRuntime(Runtime):
             await anyio.to_thread.run_sync(remote.header_seen.wait, _HEADER_WAIT)
         if remote.pgid is not None:
             try:
-                await self._control(_kill_script([remote.pgid], None))
+                await self._control(_kill_script([remote.pgid], None), timeout=self._kill_wait)
             except SandboxError as exc:
                 log.warning(
-                    "%s: could not kill process group %s: %s", self.describe(), remote.pgid, exc
+                    "%s: could not kill process group %s (retried before the next command): %s",
+                    self.describe(),
+                    remote.pgid,
+                    exc,
                 )
+                self._orphans.add(remote.pgid)
         elif remote.status in (None, "ok"):
             log.warning("%s: a cancelled command never reported its process group", self.describe())
         await anyio.to_thread.run_sync(remote.channel.close)
         if remote.started:
             await anyio.to_thread.run_sync(remote.done.wait, _READER_WAIT)
 
+    @property
+    def _kill_wait(self) -> float:
+        return min(self.config.io_timeout, _KILL_WAIT)
+
+    async def _kill_orphans(self) -> None:
+        """Kill the process groups earlier kills missed, if they are still ours (their
+        leader carries this sandbox's marker: after a reboot the ids mean other processes)."""
+        orphans, self._orphans = self._orphans, set()
+        assert self._marker is not None
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._control(
+                    _orphan_kill_script(orphans, self._marker), timeout=self._kill_wait
+                )
+        except SandboxError as exc:
+            self._orphans |= orphans
+            log.warning("%s: could not kill process groups %s: %s", self.describe(), orphans, exc)
+
     # ------------------------------------------------------------------ files
 
     async def _read(self, path: str, limit: int) -> bytes:
-        return await self._retrying(self._sftp_call, _sftp_read, path, limit)
+        return await self._channels.read(
+            path, limit, lambda: self._retrying(self._sftp_call, _sftp_read, path, limit)
+        )
 
     async def _write(self, path: str, data: bytes) -> None:
-        await self._sftp_call(_sftp_write, path, data)
+        await self._channels.write(path, data, lambda: self._sftp_call(_sftp_write, path, data))
 
     async def _exists(self, path: str) -> bool:
-        return await self._retrying(self._sftp_call, _sftp_exists, path)
+        return await self._channels.exists(
+            path, lambda: self._retrying(self._sftp_call, _sftp_exists, path)
+        )
+
+    async def _remove(self, path: str) -> None:
+        await self._channels.remove(path, lambda: super(SSHRuntime, self)._remove(path))
 
     async def _download(self, remote: str, local: Path) -> None:
         await self._retrying(super()._download, remote, local)
@@ -1484,6 +1639,11 @@ class SSHRuntime(Runtime):
             raise SandboxTransportError(
                 f"removing {info.id} on {config.destination} failed: {err!r}"
             )
+
+
+async def _never() -> bool:
+    """A dropped SSH channel says nothing about the host: the next call finds out."""
+    return False
 
 
 async def _one_shot(config: SSHConfig, script: str) -> tuple[int, bytes, bytes]:

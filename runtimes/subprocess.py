@@ -20,11 +20,14 @@ import errno
 import json
 import os
 import pwd
+import select
 import shutil
 import signal
+import stat
+import subprocess
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 import anyio
 import anyio.abc
@@ -166,12 +169,15 @@ class SubprocessRuntime(Runtime):
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
         user = self._user_for(request)
         assert self._workdir is not None
+        # Popen directly (no await until the handle is ours, so no cancellation can lose
+        # the child), its pipes read with the event loop's own fd readiness and its exit
+        # seen through a pidfd: no asyncio transports, no child-watcher thread per command.
         try:
-            process = await anyio.open_process(
+            process = subprocess.Popen(  # noqa: ASYNC220 - fork+exec only, as asyncio does
                 list(request.argv),
-                stdin=-1,  # subprocess.PIPE
-                stdout=-1,
-                stderr=-1,
+                stdin=subprocess.PIPE if request.stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 cwd=request.cwd,
                 env=self._base_env(request, self._workdir),
                 start_new_session=True,
@@ -180,22 +186,30 @@ class SubprocessRuntime(Runtime):
         except OSError as exc:
             raise _spawn_error(exc, request) from None
         self._groups.add(process.pid)
+        exit_watch = _ExitWatch(process)
+        assert process.stdout is not None and process.stderr is not None
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_feed_stdin, process, request.stdin)
-                assert process.stdout is not None and process.stderr is not None
-                tg.start_soon(_drain, process.stdout, sink, "stdout")
-                tg.start_soon(_drain, process.stderr, sink, "stderr")
-                code = await process.wait()
+            if _EPOLL:
+                code = await _EpollPump(process, request.stdin, sink, exit_watch).run()
+            else:
+                async with anyio.create_task_group() as tg:
+                    if process.stdin is not None:
+                        tg.start_soon(_feed_stdin, process.stdin, request.stdin)
+                    tg.start_soon(_drain, process.stderr.fileno(), sink, "stderr")
+                    await _drain(process.stdout.fileno(), sink, "stdout")
+                    code = await exit_watch.wait()
         except BaseException:
             # Timeout, output cap or caller cancellation: the whole group goes, now.
             with anyio.CancelScope(shield=True):
                 _kill_group(process.pid)
-                await process.wait()
+                await exit_watch.wait()
             raise
         finally:
-            with anyio.CancelScope(shield=True):
-                await process.aclose()
+            exit_watch.close()
+            for pipe in (process.stdin, process.stdout, process.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
         # Background processes the command left behind keep running until close().
         return 128 - code if code < 0 else code
 
@@ -243,32 +257,153 @@ class SubprocessRuntime(Runtime):
 # ---------------------------------------------------------------------- exec helpers
 
 
-async def _feed_stdin(process: anyio.abc.Process, data: bytes | None) -> None:
-    stream = process.stdin
-    assert stream is not None
+class _ExitWatch:
+    """Waits for a child's exit: readiness of a pidfd (Linux >= 5.3), else a worker thread."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self._process = process
+        self.pidfd: int | None = None
+
+    async def wait(self) -> int:
+        process = self._process
+        if (code := process.poll()) is not None:
+            return code
+        if self.pidfd is None:
+            with contextlib.suppress(AttributeError, OSError):
+                self.pidfd = os.pidfd_open(process.pid)
+        if self.pidfd is None:
+            return await anyio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+        while (code := process.poll()) is None:
+            await anyio.wait_readable(self.pidfd)
+        return code
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+_EPOLL = hasattr(select, "epoll")
+_EXIT_SPINS = 64
+"""Polls of the exit status after the pipes closed before waiting on the event loop: the
+kernel reports the exit microseconds after it closed the pipes."""
+
+
+class _EpollPump:
+    """Feeds stdin, drains stdout and stderr and waits for the exit in ONE task (Linux).
+
+    The pipes (non-blocking) share an epoll instance, and the event loop watches that
+    instance's own fd: one registration per wait instead of one per pipe, and no task
+    group. Output over the sink's cap stops the reading and kills the group. Once the pipes
+    closed, the exit is polled for a few microseconds before the pidfd is waited for.
+    """
+
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        stdin: bytes | None,
+        sink: OutputSink,
+        exit_watch: _ExitWatch,
+    ) -> None:
+        assert process.stdout is not None and process.stderr is not None
+        self._process = process
+        self._sink = sink
+        self._exit_watch = exit_watch
+        self._epoll = select.epoll()
+        self._outputs: dict[int, Stream] = {}
+        for pipe, name in ((process.stdout, "stdout"), (process.stderr, "stderr")):
+            self._watch(pipe.fileno(), select.EPOLLIN)
+            self._outputs[pipe.fileno()] = name  # type: ignore[assignment]
+        self._pending = memoryview(stdin or b"")
+        self._stdin_fd: int | None = None
+        if process.stdin is not None:
+            self._stdin_fd = process.stdin.fileno()
+            self._watch(self._stdin_fd, select.EPOLLOUT)
+
+    def _watch(self, fd: int, events: int) -> None:
+        os.set_blocking(fd, False)
+        self._epoll.register(fd, events)
+
+    async def run(self) -> int:
+        try:
+            while self._outputs or self._stdin_fd is not None:
+                await self._step()
+        finally:
+            self._epoll.close()
+        for _ in range(_EXIT_SPINS):
+            if (code := self._process.poll()) is not None:
+                return code
+            os.sched_yield()
+        return await self._exit_watch.wait()
+
+    async def _step(self) -> None:
+        events = self._epoll.poll(0)
+        if not events:
+            await anyio.wait_readable(self._epoll.fileno())
+            return
+        for fd, _ in events:
+            if fd == self._stdin_fd:
+                self._feed()
+            elif fd in self._outputs:
+                self._read(fd)
+
+    def _read(self, fd: int) -> None:
+        try:
+            data = os.read(fd, _READ_CHUNK)
+        except BlockingIOError:
+            return
+        if not data:
+            self._epoll.unregister(fd)
+            del self._outputs[fd]
+        elif not self._sink.feed(self._outputs[fd], data):
+            for watched in self._outputs:
+                self._epoll.unregister(watched)
+            self._outputs.clear()
+            _kill_group(self._process.pid)
+
+    def _feed(self) -> None:
+        assert self._stdin_fd is not None and self._process.stdin is not None
+        try:
+            written = os.write(self._stdin_fd, self._pending[:_READ_CHUNK])
+            self._pending = self._pending[written:]
+        except BlockingIOError:
+            return
+        except OSError:  # EPIPE: the process exited or closed its stdin without reading it all
+            self._pending = memoryview(b"")
+        if not self._pending:
+            self._epoll.unregister(self._stdin_fd)
+            self._stdin_fd = None
+            with contextlib.suppress(OSError):
+                self._process.stdin.close()
+
+
+async def _feed_stdin(pipe: IO[bytes], data: bytes | None) -> None:
+    fd = pipe.fileno()
+    os.set_blocking(fd, False)
+    view = memoryview(data or b"")
     try:
-        view = memoryview(data or b"")
-        for offset in range(0, len(view), _READ_CHUNK):
-            await stream.send(bytes(view[offset : offset + _READ_CHUNK]))
-    except (
-        anyio.BrokenResourceError,
-        anyio.ClosedResourceError,
-        BrokenPipeError,
-        ConnectionResetError,
-    ):
+        while view:
+            try:
+                view = view[os.write(fd, view[:_READ_CHUNK]) :]
+            except BlockingIOError:
+                await anyio.wait_writable(fd)
+    except (BrokenPipeError, ConnectionResetError):
         pass  # the process exited or closed its stdin without reading everything
     finally:
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            await stream.aclose()
+        with contextlib.suppress(OSError):
+            pipe.close()
 
 
-async def _drain(stream: anyio.abc.ByteReceiveStream, sink: OutputSink, name: Stream) -> None:
-    try:
-        async for chunk in stream:
-            if not sink.feed(name, chunk):
-                return
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-        return
+async def _drain(fd: int, sink: OutputSink, name: Stream) -> None:
+    os.set_blocking(fd, False)
+    while True:
+        try:
+            data = os.read(fd, _READ_CHUNK)
+        except BlockingIOError:
+            await anyio.wait_readable(fd)
+            continue
+        if not data or not sink.feed(name, data):
+            return
 
 
 def _kill_group(pgid: int) -> None:
@@ -290,16 +425,40 @@ def _spawn_error(exc: OSError, request: ExecRequest) -> SandboxError:
 # ---------------------------------------------------------------------- file helpers
 
 
+def _open_regular(path: str, flags: int) -> int:
+    """Open a file without blocking on a FIFO or a socket (a read or write of one would
+    wait for a peer for ever, in a thread nobody can cancel); those are refused."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
+            raise SandboxInvalidArgumentError(
+                f"{path!r} is a FIFO or a socket, not a file"
+            ) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode):
+        os.close(fd)
+        raise SandboxIsADirectoryError(path)
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        os.close(fd)
+        raise SandboxInvalidArgumentError(f"{path!r} is a FIFO or a socket, not a file")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _read_file(path: str, limit: int) -> bytes:
     from .errors import OutputLimitExceededError
 
     try:
-        with open(path, "rb") as fh:
+        with os.fdopen(_open_regular(path, os.O_RDONLY), "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             if size > limit:
                 raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
             return fh.read(limit + 1)
     except OSError as exc:
+        if isinstance(exc, SandboxError):
+            raise
         raise error_for_errno(exc.errno, path, None) from None
 
 
@@ -308,7 +467,7 @@ def _write_file(path: str, data: bytes) -> None:
         if os.path.isdir(path):
             raise SandboxIsADirectoryError(path)
         os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
-        with open(path, "wb") as fh:
+        with os.fdopen(_open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as fh:
             fh.write(data)
     except FileExistsError as exc:  # a parent exists as a file: makedirs says EEXIST
         raise error_for_errno(

@@ -7,6 +7,10 @@ One ``vf-sandbox/sshd`` container serves the module; every check opens its own s
 * the unprivileged ``sandbox`` user with its password, under trio, so the checks that
   only apply to non-root sandboxes (unreadable files, read-only directories, ``user=``
   refused) run too.
+
+Both run through the persistent channel (the default; the witness proves the channel carried
+every call) and again through the plain SSH path (``channel=False``: a channel per command,
+SFTP for files), under asyncio.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import pytest
 
 from runtimes.ssh import SSHConfig
 from runtimes.testing import RuntimeConformance
+from tests.channel.support import assert_channel_carried_everything, channel_witness
 from tests.ssh.sshd import IMAGE, SSHServer, image_present
 
 pytestmark = pytest.mark.ssh
@@ -31,7 +36,15 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHServer]:
         yield server
 
 
-class TestSSHConformanceRootKey(RuntimeConformance):
+class _ThroughTheChannel(RuntimeConformance):
+    @pytest.fixture(autouse=True)
+    def _channel_carries_every_call(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+        with channel_witness(monkeypatch) as seen:
+            yield
+        assert_channel_carried_everything(seen)
+
+
+class TestSSHConformanceRootKey(_ThroughTheChannel):
     anyio_backends = ("asyncio", "trio")
 
     @pytest.fixture
@@ -39,9 +52,25 @@ class TestSSHConformanceRootKey(RuntimeConformance):
         return sshd.config()
 
 
-class TestSSHConformanceUserPassword(RuntimeConformance):
+class TestSSHConformanceUserPassword(_ThroughTheChannel):
     anyio_backends = ("trio",)
 
     @pytest.fixture
     def runtime_config(self, sshd: SSHServer) -> SSHConfig:
         return sshd.password_config()
+
+
+class TestSSHConformanceRootKeyNoChannel(RuntimeConformance):
+    anyio_backends = ("asyncio",)
+
+    @pytest.fixture
+    def runtime_config(self, sshd: SSHServer) -> SSHConfig:
+        return sshd.config(channel=False)
+
+
+class TestSSHConformanceUserPasswordNoChannel(RuntimeConformance):
+    anyio_backends = ("asyncio",)
+
+    @pytest.fixture
+    def runtime_config(self, sshd: SSHServer) -> SSHConfig:
+        return sshd.password_config(channel=False)

@@ -6,6 +6,9 @@ Docker container per sandbox. These tests cover what the conformance suite does 
 options passed to ``Sandbox.create``, retries and caps at creation, the mapping of every Modal
 exception, the transport limits (argv cap, stdin chunks, the SDK's own exec timeout), and leaks
 (cancelled starts, crashed sessions, the atexit backstop, ``vf-sandbox cleanup``).
+
+Tests of the SDK-level exec and filesystem paths use ``channel=False``: with the channel on,
+commands and files go through the in-sandbox agent instead (``tests/channel``).
 """
 
 from __future__ import annotations
@@ -277,7 +280,7 @@ def test_the_sdks_own_exec_timeout_is_exec_timeout_and_kills_the_tree(
     token = "777.123456"
 
     async def body() -> tuple[ExecTimeoutError, float, str]:
-        async with open_runtime(fake_config()) as rt:
+        async with open_runtime(fake_config(channel=False)) as rt:
             request = ExecRequest(
                 argv=("sh", "-c", f"echo started; sleep {token} & sleep {token}; wait"),
                 cwd=rt.workdir,
@@ -308,7 +311,7 @@ def test_argv_over_the_sdk_cap_is_spooled_through_a_file(
     script = 'for a in "$@"; do printf %s "$a" | sha256sum; done'
 
     async def body() -> tuple[str, str, str]:
-        async with open_runtime(fake_config()) as rt:
+        async with open_runtime(fake_config(channel=False)) as rt:
             spooled = (await rt.exec(["sh", "-c", script, "sh", *big])).stdout
             inline = (await rt.exec(["echo", "small"])).stdout
             leftover = (await rt.exec(["sh", "-c", "ls /tmp/.vf-sandbox | grep -c argv"])).stdout
@@ -328,7 +331,7 @@ def test_argv_too_long_for_the_sandbox_kernel_is_an_invalid_argument(
     fake_service: FakeModalService, fake_modal: types.ModuleType
 ) -> None:
     async def body() -> None:
-        async with open_runtime(fake_config()) as rt:
+        async with open_runtime(fake_config(channel=False)) as rt:
             huge = "x" * (200 * 1024)  # over Linux's 128 KiB limit for one argument
             await _raises(SandboxInvalidArgumentError, rt.exec(["sh", "-c", "true", "sh", huge]))
             assert (await rt.exec(["echo", "still fine"])).stdout == "still fine\n"
@@ -342,7 +345,7 @@ def test_large_stdin_is_sent_in_drained_chunks(
     data = os.urandom(40 * 1024 * 1024)  # over the SDK's 16 MiB stdin buffer
 
     async def body() -> str:
-        async with open_runtime(fake_config()) as rt:
+        async with open_runtime(fake_config(channel=False)) as rt:
             return (await rt.exec(["sha256sum"], stdin=data, timeout=120)).stdout
 
     assert anyio.run(body).split()[0] == hashlib.sha256(data).hexdigest()
@@ -354,7 +357,7 @@ def test_a_failed_exec_channel_is_a_transport_error_and_not_retried(
     fake_service: FakeModalService, fake_modal: types.ModuleType
 ) -> None:
     async def body() -> None:
-        async with open_runtime(fake_config()) as rt:
+        async with open_runtime(fake_config(channel=False)) as rt:
             fake_service.exec_failures = [grpc_error(Status.UNAVAILABLE, "connection reset")]
             await _raises(SandboxTransportError, rt.exec(["touch", "once"]))
             assert fake_service.exec_failures == []
@@ -373,7 +376,7 @@ def test_transport_errors_on_file_calls_are_retried_then_surface(
     flaky = grpc_error(Status.UNAVAILABLE, "connection reset")
 
     async def body() -> None:
-        async with open_runtime(fake_config()) as rt:
+        async with open_runtime(fake_config(channel=False)) as rt:
             await rt.write("f.txt", b"content")
             fake_service.exec_failures = [flaky]
             assert await rt.read("f.txt") == b"content"
@@ -463,7 +466,7 @@ def test_a_file_too_large_for_the_filesystem_api_is_streamed_instead(
     data = os.urandom(5000)
 
     async def body() -> bytes:
-        async with open_runtime(fake_config()) as rt:
+        async with open_runtime(fake_config(channel=False)) as rt:
             await rt.write("big.bin", data)
             return await rt.read("big.bin")
 
@@ -475,7 +478,7 @@ def test_a_read_over_max_bytes_is_refused_before_any_transfer(
     fake_service: FakeModalService, fake_modal: types.ModuleType
 ) -> None:
     async def body() -> int:
-        async with open_runtime(fake_config()) as rt:
+        async with open_runtime(fake_config(channel=False)) as rt:
             await rt.exec(["sh", "-c", "head -c 10000000 /dev/zero > ten-mb"])
             before = len(fake_service.exec_calls)
             await _raises(OutputLimitExceededError, rt.read("ten-mb", max_bytes=1000))

@@ -1,6 +1,6 @@
 """A throwaway OpenSSH server in a container (``vf-sandbox/sshd``) for the SSH backend.
 
-Used by the SSH tests, the SSH conformance run and ``benchmarks/ssh_roundtrip.py``.
+Used by the SSH tests, the SSH conformance run and ``python -m benchmarks``.
 
 * A client key pair is generated per server with ``cryptography`` (ed25519 by default)
   and installed through the image's ``AUTHORIZED_KEY`` variable (root and ``sandbox``).

@@ -44,8 +44,11 @@ def _remote_exists(server: SSHServer, path: str) -> bool:
 
 
 async def test_killed_wrapper_reports_signal_exit_code(sshd: SSHServer) -> None:
-    """sshd sends exit-signal (no exit-status) when the wrapper itself dies: 128 + N, not -1."""
-    async with open_runtime(sshd.config()) as rt:
+    """sshd sends exit-signal (no exit-status) when the wrapper itself dies: 128 + N, not -1.
+
+    The plain exec path (through the channel, $PPID is the channel agent: see
+    tests/channel/test_agent_faults.py)."""
+    async with open_runtime(sshd.config(channel=False)) as rt:
         result = await rt.exec(["sh", "-c", "kill -KILL $PPID; sleep 0.2; echo after"], timeout=30)
         assert result.exit_code == 128 + 9, result
         assert result.stdout == "after\n", result

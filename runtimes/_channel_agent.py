@@ -1,0 +1,753 @@
+"""The channel agent: runs INSIDE a sandbox, serving one host over its stdin and stdout.
+
+Standard library only, Python >= 3.8, one file: the host sends this source through the
+stream it just opened (see ``BOOTSTRAP`` in :mod:`runtimes.channel`), so nothing is installed
+and nothing costs a round trip per request. It never imports anything from ``runtimes``.
+
+Framing, both directions: ``type (u8) | request id (u32) | length (u32) | payload``, integers
+big-endian. Everything is binary: data (stdin, file contents, output) travels raw, and request
+headers are fixed fields plus ``text`` strings (``u32`` length + UTF-8 with surrogateescape),
+so no payload byte is ever escaped. Requests are multiplexed: each runs in its own worker
+thread, so a slow command or a blocked pipe never stalls the others, and the main thread only
+reads frames and hands them out (and spawns commands, so they start at once).
+
+Requests (host -> agent):
+
+* ``EXEC``: ``u32 header length | header | inline stdin``; header = ``u8 flags`` (1: stdin
+  follows, 2: stdin complete) ``| u64 output cap | text cwd | text user ("": the agent's) |
+  u32 argc | argc x text | u32 envc | envc x (text name, text value)``. Answered by
+  ``STARTED`` (``u32`` process group id: every command runs in its own session, ``setsid``),
+  ``STDOUT`` / ``STDERR`` chunks as they arrive, then ``EXIT`` (``i32``; 128+N for a death by
+  signal N), or by one ``ERROR`` if it could not start.
+* ``DATA`` / ``EOF``: more stdin of an ``EXEC``, or more content of a ``WRITE``. Each chunk
+  sent as ``DATA`` is acknowledged with ``ACK`` (``u32`` bytes consumed) once written: the
+  host keeps a bounded window in flight, so memory here stays bounded whatever the size.
+* ``KILL``: kill the request's whole process group (``EXEC``), or abandon a transfer.
+* ``READ`` (``u64 cap | text path``): ``CHUNK`` frames, then ``DONE``; a file over the cap is
+  refused before anything is sent.
+* ``WRITE`` (``u32 header length | u8 flags (2: complete) | text path | inline data``):
+  parents created, then ``DONE``.
+* ``STAT`` (``text path``): ``DONE`` with one byte, 1 if something is there (``lstat``: a
+  dangling link exists). ``REMOVE`` (``text path``): a file, a link or a tree, then ``DONE``.
+
+``HELLO`` (request id 0, first frame): ``u32 version, pid, sid, uid, gid | text python``.
+``ERROR``: ``i32 errno | text what | text message``; ``what`` is ``prog``, ``cwd``, ``user``,
+``path``, ``limit``, ``special`` (a FIFO or a socket where a file is expected: refused, never
+waited on), ``internal`` (an unexpected failure, message attached) or ``unsupported`` (the
+host then uses its plain path).
+
+On EOF of its stdin (the host closed the channel, or died) the agent kills the process group
+of every command still running, then exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import queue
+import select
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing and json import re: milliseconds of start-up for nothing
+    from collections.abc import Callable
+    from typing import Any
+
+VERSION = 1
+
+HEADER = struct.Struct(">BII")
+U8 = struct.Struct(">B")
+U32 = struct.Struct(">I")
+U64 = struct.Struct(">Q")
+I32 = struct.Struct(">i")
+HELLO_FIELDS = struct.Struct(">IIIII")
+
+# host -> agent
+EXEC, DATA, EOF, KILL, READ, WRITE, STAT, REMOVE = 1, 2, 3, 4, 5, 6, 7, 8
+# agent -> host
+HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, CHUNK, DONE, ACK = 64, 65, 66, 67, 68, 69, 70, 71, 72
+
+READ_CHUNK = 256 * 1024
+PIPE_CHUNK = 64 * 1024
+INPUT_CHUNK = 1024 * 1024
+KILL_GRACE = 0.5
+"""Seconds output is still read after a kill: a process that left the group may hold a pipe."""
+ANNOUNCE_AFTER = 0.005
+"""STARTED waits this long for the first output or the exit, to share a write with it: a
+short command then costs the host one wake-up, not two."""
+
+
+class Refused(Exception):
+    """A request that could not start: answered with one ERROR frame."""
+
+    def __init__(self, num: int, what: str, message: str = "") -> None:
+        super().__init__(message)
+        self.num = num
+        self.what = what
+        self.message = message or os.strerror(num)
+
+
+class Output:
+    """The agent's stdout: whole frames, one writer at a time."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+        self.broken = False
+
+    def send(self, kind: int, rid: int, payload: bytes = b"", before: bytes = b"") -> None:
+        """One frame, preceded in the same write by ``before`` (whole frames, or nothing)."""
+        data = before + HEADER.pack(kind, rid, len(payload)) + payload
+        with self._lock:
+            if self.broken:
+                return
+            view = memoryview(data)
+            try:
+                while view:
+                    written = os.write(self._fd, view)
+                    view = view[written:]
+            except OSError:
+                self.broken = True
+
+    def error(self, rid: int, num: int, what: str, message: str) -> None:
+        self.send(ERROR, rid, I32.pack(num) + text(what) + text(message))
+
+
+def text(value: str) -> bytes:
+    """A string field: u32 length, then UTF-8 (surrogateescape: any bytes round-trip)."""
+    data = value.encode("utf-8", "surrogateescape")
+    return U32.pack(len(data)) + data
+
+
+class Fields:
+    """Reads a binary header: fixed-size numbers and ``text`` strings, in order."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def number(self, kind: struct.Struct) -> int:
+        (value,) = kind.unpack_from(self.data, self.pos)
+        self.pos += kind.size
+        return int(value)
+
+    def text(self) -> str:
+        size = self.number(U32)
+        value = self.data[self.pos : self.pos + size].decode("utf-8", "surrogateescape")
+        self.pos += size
+        return value
+
+
+def split_header(payload: bytes) -> tuple[Fields, bytes]:
+    (size,) = U32.unpack_from(payload, 0)
+    return Fields(payload[4 : 4 + size]), payload[4 + size :]
+
+
+def exec_header(payload: bytes) -> tuple[dict[str, Any], bytes]:
+    fields, inline = split_header(payload)
+    flags = fields.number(U8)
+    header: dict[str, Any] = {
+        "s": bool(flags & 1),
+        "x": bool(flags & 2),
+        "l": fields.number(U64),
+        "c": fields.text(),
+        "u": fields.text() or None,
+    }
+    header["a"] = [fields.text() for _ in range(fields.number(U32))]
+    env = {}
+    for _ in range(fields.number(U32)):
+        name = fields.text()
+        env[name] = fields.text()
+    header["e"] = env
+    return header, inline
+
+
+def write_header(payload: bytes) -> tuple[dict[str, Any], bytes]:
+    fields, inline = split_header(payload)
+    flags = fields.number(U8)
+    return {"x": bool(flags & 2), "p": fields.text()}, inline
+
+
+def read_header(payload: bytes) -> dict[str, Any]:
+    fields = Fields(payload)
+    limit = fields.number(U64)
+    return {"l": limit, "p": fields.text()}
+
+
+def path_header(payload: bytes) -> dict[str, Any]:
+    return {"p": Fields(payload).text()}
+
+
+class Workers:
+    """Threads reused across requests; a new one only when none is idle."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]]
+        self._tasks = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._tasks.put((fn, args))
+        if spawn:
+            threading.Thread(target=self._work, daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            fn, args = self._tasks.get()
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - a bug in one request must not end the agent
+                import traceback
+
+                traceback.print_exc(file=sys.stderr)
+            with self._lock:
+                self._idle += 1
+
+
+class Agent:
+    def __init__(self, in_fd: int, out_fd: int) -> None:
+        self.in_fd = in_fd
+        self.out = Output(out_fd)
+        self.workers = Workers()
+        self.requests: dict[int, Any] = {}
+        self.lock = threading.Lock()
+        self.env = dict(os.environ)
+
+    # ------------------------------------------------------------------ the main loop
+
+    def serve(self) -> None:
+        self.out.send(HELLO, 0, self.hello())
+        buf = bytearray()
+        while True:
+            try:
+                data = os.read(self.in_fd, INPUT_CHUNK)
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            buf += data
+            pos = 0
+            size_buf = len(buf)
+            while size_buf - pos >= HEADER.size:
+                kind, rid, size = HEADER.unpack_from(buf, pos)
+                end = pos + HEADER.size + size
+                if end > size_buf:
+                    break
+                try:
+                    self.dispatch(kind, rid, bytes(buf[pos + HEADER.size : end]))
+                except Exception as exc:  # noqa: BLE001 - one bad request must not end the agent
+                    self.finish(rid)
+                    self.out.error(rid, 0, "internal", f"{type(exc).__name__}: {exc}")
+                pos = end
+            del buf[:pos]
+        self.shutdown()
+
+    def hello(self) -> bytes:
+        ids = HELLO_FIELDS.pack(VERSION, os.getpid(), os.getsid(0), os.geteuid(), os.getegid())
+        return ids + text(".".join(str(n) for n in sys.version_info[:3]))
+
+    def dispatch(self, kind: int, rid: int, payload: bytes) -> None:
+        if kind in (DATA, EOF, KILL):
+            with self.lock:
+                request = self.requests.get(rid)
+            if request is None:
+                return  # finished or refused meanwhile: late frames are dropped
+            if kind == KILL:
+                request.kill()
+            else:
+                request.feed(payload if kind == DATA else None)
+            return
+        if kind == EXEC:
+            header, inline = exec_header(payload)
+            command = Exec(self, rid, header, inline)
+            with self.lock:
+                self.requests[rid] = command
+            # Spawned right here: the worker that pumps its output wakes up while the
+            # command already runs, instead of before it starts.
+            if command.launch():
+                self.workers.submit(command.run)
+        elif kind == WRITE:
+            header, inline = write_header(payload)
+            self.start(rid, Write(self, rid, header, inline))
+        elif kind == READ:
+            self.start(rid, Read(self, rid, read_header(payload)))
+        elif kind == STAT:
+            self.workers.submit(self.stat, rid, path_header(payload))
+        elif kind == REMOVE:
+            self.workers.submit(self.remove, rid, path_header(payload))
+        else:
+            self.out.error(rid, errno.EINVAL, "unsupported", f"unknown frame type {kind}")
+
+    def start(self, rid: int, request: Any) -> None:
+        with self.lock:
+            self.requests[rid] = request
+        self.workers.submit(request.run)
+
+    def finish(self, rid: int) -> None:
+        with self.lock:
+            self.requests.pop(rid, None)
+
+    def shutdown(self) -> None:
+        """Stdin ended: nobody will read results any more. Kill what still runs, exit."""
+        with self.lock:
+            running = list(self.requests.values())
+        for request in running:
+            request.kill()
+        sys.stderr.flush()
+        os._exit(0)
+
+    # ------------------------------------------------------------------ small requests
+
+    def stat(self, rid: int, header: dict[str, Any]) -> None:
+        path = header["p"]
+        try:
+            os.lstat(path)
+            exists = True
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                self.out.error(rid, exc.errno or 0, "path", exc.strerror or "")
+                return
+            exists = False
+        self.out.send(DONE, rid, b"\x01" if exists else b"\x00")
+
+    def remove(self, rid: int, header: dict[str, Any]) -> None:
+        path = header["p"]
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                import shutil
+
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError as exc:
+            self.out.error(rid, exc.errno or 0, "path", exc.strerror or "")
+            return
+        self.out.send(DONE, rid)
+
+
+# ---------------------------------------------------------------------- exec
+
+
+class Exec:
+    def __init__(self, agent: Agent, rid: int, header: dict[str, Any], inline: bytes) -> None:
+        self.agent = agent
+        self.rid = rid
+        self.header = header
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.killed = False
+        self.closed = False
+        self.pending_start = b""
+        """The STARTED frame until it is sent (with the first output, the exit, or after
+        ANNOUNCE_AFTER)."""
+        self.wake_r, self.wake_w = os.pipe()
+        self.stdin: queue.SimpleQueue[bytes | None] | None = None
+        self.inline_first = bool(inline)
+        if header.get("s"):
+            self.stdin = queue.SimpleQueue()
+            if inline:
+                self.stdin.put(inline)
+            if header.get("x"):
+                self.stdin.put(None)
+
+    def feed(self, data: bytes | None) -> None:
+        if self.stdin is not None:
+            self.stdin.put(data)
+
+    def kill(self) -> None:
+        with self.lock:
+            self.killed = True
+            if self.closed:
+                return
+            if self.proc is not None:
+                kill_group(self.proc.pid)
+            with contextlib.suppress(OSError):
+                os.write(self.wake_w, b"k")
+
+    def launch(self) -> bool:
+        """Start the command; ``False`` (and one ERROR frame sent) if it cannot start."""
+        try:
+            proc = self.spawn()
+        except Refused as refused:
+            self.agent.out.error(self.rid, refused.num, refused.what, refused.message)
+            self.release()
+            return False
+        except Exception as exc:  # noqa: BLE001 - e.g. SubprocessError: reported, not fatal
+            self.agent.out.error(self.rid, 0, "internal", f"{type(exc).__name__}: {exc}")
+            self.release()
+            return False
+        with self.lock:
+            self.proc = proc
+            killed = self.killed
+        if killed:
+            kill_group(proc.pid)
+        self.pending_start = HEADER.pack(STARTED, self.rid, 4) + U32.pack(proc.pid)
+        return True
+
+    def run(self) -> None:
+        """Pump the started command's output, then report its exit (a worker thread)."""
+        proc = self.proc
+        assert proc is not None
+        try:
+            if self.stdin is not None:
+                assert proc.stdin is not None
+                self.agent.workers.submit(self.pump_stdin, proc.stdin)
+            self.pump_output(proc)
+            code = proc.wait()
+            if self.stdin is not None:
+                self.stdin.put(None)  # ends the stdin pump if the host never sent EOF
+            code = 128 - code if code < 0 else code
+            self.agent.out.send(EXIT, self.rid, I32.pack(code), before=self.take_start())
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        self.agent.finish(self.rid)
+        with self.lock:
+            self.closed = True
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        header = self.header
+        argv = list(header["a"])
+        cwd = header["c"]
+        env = dict(self.agent.env)
+        env.update(header["e"])
+        switch, home = user_switch(header.get("u"))
+        if home and "HOME" not in header["e"]:
+            env["HOME"] = home  # as docker exec -u and su do
+        check_cwd(cwd)
+        options: dict[str, Any] = {
+            "cwd": cwd,
+            "env": env,
+            "stdin": subprocess.PIPE if self.stdin is not None else subprocess.DEVNULL,
+            "stdout": subprocess.PIPE,
+            "stderr": subprocess.PIPE,
+            "start_new_session": True,
+            "close_fds": True,
+        }
+        options.update(switch)
+        try:
+            return subprocess.Popen(argv, **options)
+        except OSError as exc:
+            num = exc.errno or 0
+            if num == errno.ENOEXEC:
+                # What execvp(3) and sh do with a script lacking a #! line: run it with sh.
+                found = find_program(argv[0], env.get("PATH"), cwd)
+                if found is not None:
+                    try:
+                        return subprocess.Popen(["/bin/sh", found, *argv[1:]], **options)
+                    except OSError as again:
+                        num = again.errno or 0
+            if num == errno.EACCES and exc.filename == cwd and not os.access(cwd, os.X_OK):
+                raise Refused(num, "cwd") from None
+            raise Refused(num, "prog", exc.strerror or "") from None
+
+    def take_start(self) -> bytes:
+        start, self.pending_start = self.pending_start, b""
+        return start
+
+    def pump_stdin(self, pipe: Any) -> None:
+        assert self.stdin is not None
+        fd = pipe.fileno()
+        broken = False
+        while True:
+            data = self.stdin.get()
+            if data is None:
+                break
+            if not broken:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                except OSError:
+                    broken = True  # the command exited or closed its stdin: the rest is dropped
+            if self.inline_first:
+                self.inline_first = False  # inline bytes are not counted in the host's window
+            elif data:
+                self.agent.out.send(ACK, self.rid, U32.pack(len(data)))
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+    def pump_output(self, proc: subprocess.Popen[bytes]) -> None:
+        out = self.agent.out
+        assert proc.stdout is not None and proc.stderr is not None
+        kinds = {proc.stdout.fileno(): STDOUT, proc.stderr.fileno(): STDERR}
+        poller = select.poll()
+        for fd in kinds:
+            poller.register(fd, select.POLLIN)
+        poller.register(self.wake_r, select.POLLIN)
+        limit = int(self.header["l"])
+        total = 0
+        capped = False
+        give_up: float | None = None
+        while kinds:
+            if give_up is not None:
+                timeout: float | None = max(0.0, give_up - time.monotonic()) * 1000
+            else:
+                timeout = ANNOUNCE_AFTER * 1000 if self.pending_start else None
+            events = poller.poll(timeout)
+            if not events and give_up is not None:
+                break  # killed, and something outside the group still holds a pipe
+            if not events and self.pending_start:
+                out.send(STARTED, self.rid, self.take_start()[HEADER.size :])
+                continue
+            for fd, _ in events:
+                if fd == self.wake_r:
+                    os.read(self.wake_r, 64)
+                    if give_up is None:
+                        give_up = time.monotonic() + KILL_GRACE
+                    continue
+                if fd not in kinds:
+                    continue
+                try:
+                    data = os.read(fd, PIPE_CHUNK)
+                except OSError:
+                    data = b""
+                if not data:
+                    poller.unregister(fd)
+                    del kinds[fd]
+                    continue
+                if capped:
+                    continue
+                total += len(data)
+                out.send(kinds[fd], self.rid, data, before=self.take_start())
+                if total > limit:
+                    capped = True  # the host keeps exactly the cap and reports the overflow
+                    self.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def kill_group(pgid: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def check_cwd(cwd: str) -> None:
+    try:
+        mode = os.stat(cwd).st_mode
+    except OSError as exc:
+        raise Refused(exc.errno or 0, "cwd", exc.strerror or "") from None
+    if not stat.S_ISDIR(mode):
+        raise Refused(errno.ENOTDIR, "cwd")
+
+
+def find_program(name: str, path: str | None, cwd: str) -> str | None:
+    if "/" in name:
+        return name if os.path.isabs(name) else os.path.join(cwd, name)
+    for directory in (path if path is not None else os.defpath).split(os.pathsep):
+        candidate = os.path.join(directory or ".", name)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def user_switch(spec: str | None) -> tuple[dict[str, Any], str | None]:
+    """Popen options that run the command as ``spec`` (``user``, ``uid``, ``user:group``),
+    and that user's home directory."""
+    if not spec:
+        return {}, None
+    import pwd
+
+    name, _, group = spec.partition(":")
+    try:
+        entry: Any = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+    except KeyError:
+        if not name.isdigit():
+            raise Refused(errno.EINVAL, "user", f"no such user: {spec!r}") from None
+        entry = None
+    uid = int(name) if entry is None else entry.pw_uid
+    gid = entry.pw_gid if entry is not None else 0
+    if group:
+        gid = resolve_group(group, spec)
+    if uid == os.geteuid() and (not group or gid == os.getegid()):
+        return {}, None
+    if os.geteuid() != 0 or sys.version_info < (3, 9):
+        raise Refused(errno.EOPNOTSUPP, "unsupported", f"cannot switch to {spec!r} here")
+    groups = os.getgrouplist(entry.pw_name, gid) if entry is not None else [gid]
+    home = entry.pw_dir if entry is not None else None
+    return {"user": uid, "group": gid, "extra_groups": groups}, home
+
+
+def resolve_group(group: str, spec: str) -> int:
+    if group.isdigit():
+        return int(group)
+    import grp
+
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise Refused(errno.EINVAL, "user", f"no such group in {spec!r}") from None
+
+
+# ---------------------------------------------------------------------- files
+
+
+class Read:
+    def __init__(self, agent: Agent, rid: int, header: dict[str, Any]) -> None:
+        self.agent = agent
+        self.rid = rid
+        self.path = header["p"]
+        self.limit = int(header["l"])
+        self.aborted = False
+
+    def kill(self) -> None:
+        self.aborted = True
+
+    def feed(self, data: bytes | None) -> None:
+        pass
+
+    def run(self) -> None:
+        out = self.agent.out
+        try:
+            fd = open_file(self.path, os.O_RDONLY)
+        except Refused as refused:
+            out.error(self.rid, refused.num, refused.what, refused.message)
+            self.agent.finish(self.rid)
+            return
+        except OSError as exc:
+            out.error(self.rid, exc.errno or 0, "path", exc.strerror or "")
+            self.agent.finish(self.rid)
+            return
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                out.error(self.rid, errno.EISDIR, "path", os.strerror(errno.EISDIR))
+                return
+            if stat.S_ISREG(info.st_mode) and info.st_size > self.limit:
+                out.error(self.rid, errno.EFBIG, "limit", f"{info.st_size} bytes")
+                return
+            total = 0
+            while not self.aborted:
+                data = os.read(fd, READ_CHUNK)
+                if not data:
+                    out.send(DONE, self.rid)
+                    return
+                total += len(data)
+                if total > self.limit:
+                    out.error(self.rid, errno.EFBIG, "limit", f"more than {self.limit} bytes")
+                    return
+                out.send(CHUNK, self.rid, data)
+        except OSError as exc:
+            out.error(self.rid, exc.errno or 0, "path", exc.strerror or "")
+        finally:
+            os.close(fd)
+            self.agent.finish(self.rid)
+
+
+class Write:
+    def __init__(self, agent: Agent, rid: int, header: dict[str, Any], inline: bytes) -> None:
+        self.agent = agent
+        self.rid = rid
+        self.path = header["p"]
+        self.data: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.data.put(inline)
+        if header.get("x"):
+            self.data.put(None)
+
+    def kill(self) -> None:
+        self.data.put(None)
+
+    def feed(self, data: bytes | None) -> None:
+        self.data.put(data)
+
+    def run(self) -> None:
+        out = self.agent.out
+        try:
+            fd = self.open()
+        except Refused as refused:
+            out.error(self.rid, refused.num, refused.what, refused.message)
+            self.agent.finish(self.rid)
+            return
+        except OSError as exc:
+            out.error(self.rid, exc.errno or 0, "path", exc.strerror or "")
+            self.agent.finish(self.rid)
+            return
+        inline_first = True
+        try:
+            while True:
+                data = self.data.get()
+                if data is None:
+                    break
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if inline_first:
+                    inline_first = False  # inline bytes are not counted in the host's window
+                elif data:
+                    out.send(ACK, self.rid, U32.pack(len(data)))
+        except OSError as exc:
+            out.error(self.rid, exc.errno or 0, "path", exc.strerror or "")
+            self.agent.finish(self.rid)
+            return
+        finally:
+            os.close(fd)
+        self.agent.finish(self.rid)
+        out.send(DONE, self.rid)
+
+    def open(self) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            return open_file(self.path, flags)
+        except FileNotFoundError:
+            parent = os.path.dirname(self.path) or "/"
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except FileExistsError:  # a parent is a file
+                raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), parent) from None
+            return open_file(self.path, flags)
+
+
+def open_file(path: str, flags: int) -> int:
+    """Open for a read or a write without ever waiting on a FIFO or a socket (a peer may
+    never come): those are refused, as on every backend's plain path."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
+            raise Refused(errno.ENXIO, "special", "a FIFO or a socket, not a file") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        os.close(fd)
+        raise Refused(errno.ENXIO, "special", "a FIFO or a socket, not a file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+# ---------------------------------------------------------------------- entry point
+
+
+def main() -> None:
+    # Private copies of the stream; fds 0 and 1 point at /dev/null so that nothing written
+    # to sys.stdout by accident can corrupt the framing.
+    in_fd = os.dup(0)
+    out_fd = os.dup(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+    for fd in (in_fd, out_fd):
+        os.set_inheritable(fd, False)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    Agent(in_fd, out_fd).serve()
+
+
+if __name__ in ("__main__", "__vf_sandbox_agent__"):
+    main()

@@ -1,0 +1,1080 @@
+"""The persistent channel: one long-lived stream to a small agent inside the sandbox.
+
+Starting a process through a backend's own exec API costs a full API round trip (Docker's
+``exec_create`` + ``exec_start`` + ``exec_inspect``: ~50 ms; an SSH channel; a Modal exec).
+A :class:`Channel` pays that once per sandbox: it starts the agent
+(:mod:`runtimes._channel_agent`, standard library only) over ONE exec stream with stdin
+attached, sends the agent's source through that stream (so nothing is installed and no
+request costs an extra round trip), and then multiplexes every exec, read, write, stat and
+remove over it as binary frames. See ``docs/channel.md``.
+
+Host side, per channel: one reader thread (blocking reads of the stream, frames parsed and
+handed to the event loop in batches), one writer thread (frames queued by the event loop,
+written in batches), and per request an anyio memory stream. It works the same under asyncio
+and trio; a channel is bound to the event loop that started it.
+
+:class:`ChannelSupervisor` is what a backend holds: it starts the channel at ``start()``,
+routes each call through it, and falls back to the backend's plain path when the sandbox has
+no ``python3`` (probed once), when the channel died (restarted on the next call, at most
+:data:`MAX_RESTARTS` times per :data:`RESTART_WINDOW` seconds), or when the agent cannot serve
+a request (switching users without root). A request in flight on a channel that died is
+retried through the plain path only when it is idempotent (read, exists); otherwise it fails
+with :class:`~runtimes.errors.SandboxTransportError`, or
+:class:`~runtimes.errors.SandboxUnavailableError` when the sandbox itself is gone.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import errno
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from . import _channel_agent as agent
+from .errors import (
+    OutputLimitExceededError,
+    SandboxError,
+    SandboxFileNotFoundError,
+    SandboxInvalidArgumentError,
+    SandboxPermissionError,
+    SandboxTransportError,
+    SandboxUnavailableError,
+    error_for_errno,
+)
+from .models import ExecRequest, OutputSink
+
+log = logging.getLogger("runtimes.channel")
+
+T = TypeVar("T")
+
+__all__ = [
+    "BOOTSTRAP",
+    "PROBE",
+    "Channel",
+    "ChannelHooks",
+    "ChannelInfo",
+    "ChannelSupervisor",
+    "ChannelTransport",
+    "agent_command",
+    "agent_source",
+]
+
+FRAME = agent.HEADER
+U32 = agent.U32
+I32 = agent.I32
+
+CHUNK = 256 * 1024
+"""Bytes of stdin or file content per frame."""
+INLINE = 64 * 1024
+"""Stdin or file content up to this size travels inside the request's own frame."""
+WINDOW = 4 * 1024 * 1024
+"""Unacknowledged stdin / write bytes per request: bounds the agent's memory."""
+MAX_FRAME = 64 * 1024 * 1024
+"""A longer frame means the stream is corrupt: the channel is dropped."""
+START_TIMEOUT = 20.0
+"""Seconds for the agent to say hello after its stream opened."""
+KILL_WAIT = 10.0
+"""Seconds to wait for the agent to confirm a kill before the plain path kills instead."""
+FIRST_PROBE = 1.0
+NEXT_PROBE = 5.0
+"""A request that hears nothing for this long asks the backend whether the sandbox still runs
+(a paused or stopped container never answers: it must not hang the caller)."""
+MAX_RESTARTS = 3
+RESTART_WINDOW = 60.0
+
+_LOST = -1
+"""Pseudo frame type delivered to every open request when the stream ends."""
+_NO_PYTHON = b"vf-sandbox:no-python"
+
+PROBE = (
+    "command -v python3 >/dev/null 2>&1 || { echo vf-sandbox:no-python; exit 0; }; "
+    'exec python3 -I -S -B -c "$1"'
+)
+"""The command that starts the agent: ``sh -c PROBE sh BOOTSTRAP``. Without python3 it says
+so on stdout (the channel is then never tried again in this sandbox)."""
+
+BOOTSTRAP = (
+    "import os,sys\n"
+    "if sys.version_info<(3,8):os.write(1,b'vf-sandbox:no-python\\n');sys.exit(0)\n"
+    "def r(n):\n"
+    " b=b''\n"
+    " while len(b)<n:\n"
+    "  c=os.read(0,n-len(b))\n"
+    "  if not c:sys.exit(3)\n"
+    "  b+=c\n"
+    " return b\n"
+    "exec(compile(r(int(r(10))),'vf-sandbox-agent','exec'),{'__name__':'__vf_sandbox_agent__'})\n"
+)
+"""Python's ``-c`` program: reads the agent's length-prefixed source from stdin and runs it."""
+
+
+@cache
+def agent_source() -> bytes:
+    """The agent's source, prefixed with its length as the bootstrap expects."""
+    source = Path(agent.__file__).read_bytes()
+    return b"%010d" % len(source) + source
+
+
+def agent_command() -> list[str]:
+    """argv that starts the agent in a sandbox with a POSIX ``sh``."""
+    return ["sh", "-c", PROBE, "sh", BOOTSTRAP]
+
+
+# ---------------------------------------------------------------------- errors (internal)
+
+
+class ChannelLost(Exception):
+    """The stream ended or broke while a request was in flight (``sent=False``: before
+    anything of the request was sent, so it may safely take the plain path)."""
+
+    def __init__(self, message: str, pgid: int | None = None, *, sent: bool = True) -> None:
+        super().__init__(message)
+        self.pgid = pgid
+        self.sent = sent
+
+
+class ChannelRefused(Exception):
+    """The agent cannot serve this request (nothing was started): use the plain path."""
+
+
+class ChannelUnsupported(Exception):
+    """The sandbox cannot run the agent (no python3 >= 3.8)."""
+
+
+class SandboxGone(Exception):
+    """The backend's liveness probe says the sandbox stopped while a request waited."""
+
+
+# ---------------------------------------------------------------------- transports
+
+
+class ChannelTransport(abc.ABC):
+    """The byte stream to the agent's stdin and stdout. Blocking calls, from the channel's
+    own threads: ``recv`` from the reader thread, ``send`` from the writer thread, ``close``
+    from any thread (it must unblock a pending ``recv``)."""
+
+    @abc.abstractmethod
+    def recv(self) -> bytes:
+        """The next bytes of the agent's stdout; ``b""`` once it ended."""
+
+    @abc.abstractmethod
+    def send(self, data: bytes) -> None:
+        """Write to the agent's stdin. Raises ``OSError`` (or anything) when broken."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the stream (idempotent); the agent then kills what it runs and exits."""
+
+    def try_send(self, data: bytes) -> int:
+        """Write what can be written without blocking, from the event loop's thread; return
+        how much. The default (0) sends everything through the writer thread."""
+        return 0
+
+    def diagnostics(self) -> str:
+        """What the agent said on stderr (its last lines), for failure messages."""
+        return ""
+
+
+# ---------------------------------------------------------------------- event loop binding
+
+
+def _loop_handle() -> tuple[object, Callable[[Callable[[], None]], object]]:
+    """The running event loop and a thread-safe "call this soon on it"."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        return token, token.run_sync_soon
+    return loop, loop.call_soon_threadsafe
+
+
+def _current_loop() -> object | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    try:
+        import trio
+
+        return trio.lowlevel.current_trio_token()
+    except (ImportError, RuntimeError):
+        return None
+
+
+# ---------------------------------------------------------------------- the channel
+
+
+Frame = tuple[int, bytes]
+
+
+@dataclass
+class _Request:
+    rid: int
+    inbox: MemoryObjectSendStream[Frame]
+    frames: MemoryObjectReceiveStream[Frame]
+
+
+class Channel:
+    """One agent, one stream, many concurrent requests. Bound to the event loop that
+    started it. Use through :class:`ChannelSupervisor`."""
+
+    def __init__(
+        self,
+        transport: ChannelTransport,
+        label: str,
+        *,
+        probe_dead: Callable[[], Awaitable[bool]] | None = None,
+        kill_group: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
+        self.label = label
+        self.hello: dict[str, Any] = {}
+        self._transport = transport
+        self._probe_dead = probe_dead
+        self._kill_group = kill_group
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._send_lock = threading.Lock()
+        self._queued = 0
+        """Frames handed to the writer thread and not yet written: while there are any,
+        nothing may be written directly (it would overtake them)."""
+        self._requests: dict[int, _Request] = {}
+        self._last_id = 0
+        self._broken = threading.Event()
+        self._closed = threading.Event()
+        self._lost = False
+        self._ready: anyio.Event | None = None
+        self._unsupported = False
+        self._loop: object | None = None
+        self._call_soon: Callable[[Callable[[], None]], object] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, timeout: float = START_TIMEOUT) -> None:
+        """Send the agent's source, start the threads, wait for the agent's hello.
+
+        Raises:
+            ChannelUnsupported: the sandbox has no usable python3.
+            ChannelLost: the stream ended before the agent said hello.
+            TimeoutError: no hello within ``timeout``.
+        """
+        self._loop, self._call_soon = _loop_handle()
+        self._ready = anyio.Event()
+        for name, target in (("reader", self._read_loop), ("writer", self._write_loop)):
+            threading.Thread(target=target, name=f"vf-channel-{name}", daemon=True).start()
+        self._emit(agent_source())
+        with anyio.fail_after(timeout):
+            await self._ready.wait()
+        if self._unsupported:
+            raise ChannelUnsupported(f"{self.label}: no python3 >= 3.8 in the sandbox")
+        if not self.hello:
+            said = self._transport.diagnostics()
+            raise ChannelLost(f"{self.label}: the agent ended before it started: {said or '-'}")
+
+    @property
+    def usable(self) -> bool:
+        """Alive, and called from the event loop it belongs to."""
+        return (
+            not self._lost
+            and not self._broken.is_set()
+            and not self._closed.is_set()
+            and self._loop is not None
+            and _current_loop() is self._loop
+        )
+
+    @property
+    def foreign_loop(self) -> bool:
+        """Called from another event loop than the one that started it."""
+        return self._loop is not None and _current_loop() is not self._loop
+
+    @property
+    def agent_pid(self) -> int | None:
+        pid = self.hello.get("pid")
+        return int(pid) if pid is not None else None
+
+    def close(self) -> None:
+        """Close the stream (from any thread; idempotent). The agent kills what it still
+        runs and exits; open requests get :class:`ChannelLost`."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._outbox.put(None)
+        try:
+            self._transport.close()
+        except Exception as exc:  # noqa: BLE001 - closing a broken stream may fail too
+            log.debug("%s: closing the stream failed: %r", self.label, exc)
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self.close)
+
+    # ------------------------------------------------------------------ threads
+
+    def _write_loop(self) -> None:
+        outbox = self._outbox
+        while True:
+            item = outbox.get()
+            if item is None:
+                return
+            batch = [item]
+            size = len(item)
+            stop = False
+            while size < CHUNK * 4:
+                try:
+                    more = outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
+                size += len(more)
+            try:
+                self._transport.send(batch[0] if len(batch) == 1 else b"".join(batch))
+            except Exception as exc:  # noqa: BLE001 - any failure of the stream ends the channel
+                log.debug("%s: writing to the agent failed: %r", self.label, exc)
+                self._broken.set()
+                self.close()
+                return
+            with self._send_lock:
+                self._queued -= len(batch)
+            if stop:
+                return
+
+    def _emit(self, data: bytes) -> None:
+        """Send whole frames: directly when nothing is queued and the stream takes them
+        without blocking (no thread hop), else through the writer thread."""
+        broken = False
+        with self._send_lock:
+            if self._queued == 0:
+                try:
+                    sent = self._transport.try_send(data)
+                except Exception as exc:  # noqa: BLE001 - any failure of the stream ends the channel
+                    log.debug("%s: writing to the agent failed: %r", self.label, exc)
+                    broken = True
+                    sent = len(data)
+                if sent == len(data):
+                    data = b""
+                else:
+                    data = data[sent:]
+                    self._queued += 1
+            else:
+                self._queued += 1
+        if broken:
+            self._broken.set()
+            self.close()
+        elif data:
+            self._outbox.put(data)
+
+    def _read_loop(self) -> None:
+        buf = bytearray()
+        greeted = False
+        try:
+            while True:
+                data = self._transport.recv()
+                if not data:
+                    if not greeted and bytes(buf).startswith(_NO_PYTHON):
+                        self._unsupported = True
+                    return
+                buf += data
+                if not greeted:
+                    if buf.startswith(_NO_PYTHON[: len(buf)]):
+                        continue
+                    greeted = True
+                frames = self._parse(buf)
+                if frames:
+                    self._deliver_soon(frames)
+        except Exception as exc:  # noqa: BLE001 - any failure of the stream ends the channel
+            if not self._closed.is_set():
+                log.debug("%s: reading from the agent failed: %r", self.label, exc)
+        finally:
+            self._broken.set()
+            self._soon(self._on_lost)
+
+    def _parse(self, buf: bytearray) -> list[tuple[int, int, bytes]]:
+        frames = []
+        pos = 0
+        end = len(buf)
+        while end - pos >= FRAME.size:
+            kind, rid, size = FRAME.unpack_from(buf, pos)
+            if size > MAX_FRAME:
+                raise SandboxError(f"{self.label}: corrupt frame from the agent ({size} bytes)")
+            stop = pos + FRAME.size + size
+            if stop > end:
+                break
+            frames.append((kind, rid, bytes(buf[pos + FRAME.size : stop])))
+            pos = stop
+        del buf[:pos]
+        return frames
+
+    def _deliver_soon(self, frames: list[tuple[int, int, bytes]]) -> None:
+        self._soon(lambda: self._deliver(frames))
+
+    def _soon(self, fn: Callable[[], None]) -> None:
+        call = self._call_soon
+        if call is None:
+            return
+        try:
+            call(fn)
+        except RuntimeError:  # the event loop is gone: nobody waits for these frames
+            self._broken.set()
+
+    # ------------------------------------------------------------------ on the event loop
+
+    def _deliver(self, frames: list[tuple[int, int, bytes]]) -> None:
+        for kind, rid, payload in frames:
+            if rid == 0:
+                if kind == agent.HELLO and not self.hello:
+                    self.hello = _decode_hello(payload)
+                    if self._ready is not None:
+                        self._ready.set()
+                continue
+            request = self._requests.get(rid)
+            if request is not None:
+                request.inbox.send_nowait((kind, payload))
+
+    def _on_lost(self) -> None:
+        self._lost = True
+        if self._ready is not None:
+            self._ready.set()
+        for request in list(self._requests.values()):
+            request.inbox.send_nowait((_LOST, b""))
+
+    def _open(self) -> _Request:
+        if not self.usable:
+            raise ChannelLost(f"{self.label}: the channel is closed", sent=False)
+        rid = self._last_id
+        while True:
+            rid = rid % 0xFFFFFFFF + 1
+            if rid not in self._requests:
+                break
+        self._last_id = rid
+        inbox, frames = anyio.create_memory_object_stream[Frame](math.inf)
+        request = _Request(rid, inbox, frames)
+        self._requests[rid] = request
+        return request
+
+    def _finish(self, request: _Request) -> None:
+        self._requests.pop(request.rid, None)
+        request.inbox.close()
+        request.frames.close()
+
+    def _send(self, kind: int, rid: int, payload: bytes = b"") -> None:
+        self._emit(FRAME.pack(kind, rid, len(payload)) + payload)
+
+    def _send_with_header(
+        self, kind: int, rid: int, header: bytes, inline: bytes | memoryview
+    ) -> None:
+        prefix = U32.pack(len(header)) + header
+        self._emit(FRAME.pack(kind, rid, len(prefix) + len(inline)) + prefix + inline)
+
+    async def _next(self, request: _Request) -> Frame:
+        """The request's next frame; a silence is met with the backend's liveness probe."""
+        wait = FIRST_PROBE
+        while True:
+            with anyio.move_on_after(wait):
+                return await request.frames.receive()
+            if self._probe_dead is not None and await self._probe_dead():
+                raise SandboxGone(f"{self.label}: the sandbox stopped")
+            wait = NEXT_PROBE
+
+    def _send_more(self, rid: int, data: memoryview, sent: int, in_flight: int) -> tuple[int, int]:
+        """Queue stdin / content frames while the window allows; EOF after the last."""
+        total = len(data)
+        while sent < total and in_flight < WINDOW:
+            piece = data[sent : sent + CHUNK]
+            self._send(agent.DATA, rid, bytes(piece))
+            sent += len(piece)
+            in_flight += len(piece)
+            if sent == total:
+                self._send(agent.EOF, rid)
+        return sent, in_flight
+
+    # ------------------------------------------------------------------ requests
+
+    async def exec(self, request: ExecRequest, sink: OutputSink, env: Mapping[str, str]) -> int:
+        """Run a command through the agent; on cancellation kill its group and confirm.
+
+        Raises:
+            ChannelRefused / ChannelLost / SandboxGone: for the supervisor to handle.
+            SandboxError subclasses: the command could not start (typed, as documented on
+                :meth:`runtimes.base.Runtime.exec`).
+        """
+        pending = self._open()
+        data = memoryview(request.stdin or b"")
+        inline = data[:INLINE]
+        header = _exec_header(request, env, bool(data), len(inline) == len(data))
+        pgid: int | None = None
+        finished = False
+        try:
+            self._send_with_header(agent.EXEC, pending.rid, header, inline)
+            sent, in_flight = len(inline), 0
+            while True:
+                sent, in_flight = self._send_more(pending.rid, data, sent, in_flight)
+                kind, payload = await self._next(pending)
+                if kind == agent.STDOUT:
+                    sink.feed("stdout", payload)
+                elif kind == agent.STDERR:
+                    sink.feed("stderr", payload)
+                elif kind == agent.ACK:
+                    in_flight -= U32.unpack(payload)[0]
+                elif kind == agent.STARTED:
+                    pgid = U32.unpack(payload)[0]
+                elif kind == agent.EXIT:
+                    finished = True
+                    return int(I32.unpack(payload)[0])
+                elif kind == agent.ERROR:
+                    finished = True
+                    raise _exec_error(payload, request)
+                elif kind == _LOST:
+                    finished = True
+                    raise ChannelLost(f"{self.label}: the channel died during an exec", pgid)
+        except BaseException as exc:
+            if not finished and not isinstance(exc, SandboxGone):
+                with anyio.CancelScope(shield=True):
+                    await self._kill(pending, pgid)
+            raise
+        finally:
+            self._finish(pending)
+
+    async def _kill(self, pending: _Request, pgid: int | None) -> None:
+        """Kill the request's process group (timeout, output cap, cancellation).
+
+        The agent kills it and confirms with the exit; when the channel died or the agent
+        does not confirm in time, the backend's plain path kills the group instead.
+        """
+        if self.usable:
+            self._send(agent.KILL, pending.rid)
+            with anyio.move_on_after(KILL_WAIT):
+                while True:
+                    kind, payload = await pending.frames.receive()
+                    if kind == agent.STARTED:
+                        pgid = U32.unpack(payload)[0]
+                    elif kind in (agent.EXIT, agent.ERROR):
+                        return
+                    elif kind == _LOST:
+                        break
+        if pgid is None or self._kill_group is None:
+            log.warning(
+                "%s: a command may be left running (its kill was not confirmed)", self.label
+            )
+            return
+        try:
+            with anyio.move_on_after(KILL_WAIT):
+                await self._kill_group(pgid)
+        except SandboxError as exc:
+            log.warning("%s: could not kill process group %s: %s", self.label, pgid, exc)
+
+    async def read(self, path: str, limit: int) -> bytes:
+        """A file's bytes (``limit`` enforced by the agent).
+
+        Raises:
+            SandboxFileNotFoundError, SandboxIsADirectoryError, SandboxNotADirectoryError,
+            SandboxPermissionError, OutputLimitExceededError: as for ``Runtime.read``.
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        pending = self._open()
+        done = False
+        try:
+            self._send(agent.READ, pending.rid, agent.U64.pack(limit) + agent.text(path))
+            parts: list[bytes] = []
+            while True:
+                kind, payload = await self._next(pending)
+                if kind == agent.CHUNK:
+                    parts.append(payload)
+                elif kind == agent.DONE:
+                    done = True
+                    return b"".join(parts)
+                elif kind == agent.ERROR:
+                    done = True
+                    raise _file_error(payload, path, limit)
+                elif kind == _LOST:
+                    done = True
+                    raise ChannelLost(f"{self.label}: the channel died during a read")
+        finally:
+            if not done and self.usable:
+                self._send(agent.KILL, pending.rid)
+            self._finish(pending)
+
+    async def write(self, path: str, data: bytes) -> None:
+        """Write a file (parents created), streamed under the window.
+
+        Raises:
+            SandboxIsADirectoryError, SandboxNotADirectoryError, SandboxPermissionError:
+                as for ``Runtime.write``.
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        pending = self._open()
+        view = memoryview(data)
+        inline = view[:INLINE]
+        done = False
+        try:
+            complete = len(inline) == len(view)
+            header = agent.U8.pack(2 if complete else 0) + agent.text(path)
+            self._send_with_header(agent.WRITE, pending.rid, header, inline)
+            sent, in_flight = len(inline), 0
+            while True:
+                sent, in_flight = self._send_more(pending.rid, view, sent, in_flight)
+                kind, payload = await self._next(pending)
+                if kind == agent.ACK:
+                    in_flight -= U32.unpack(payload)[0]
+                elif kind == agent.DONE:
+                    done = True
+                    return
+                elif kind == agent.ERROR:
+                    done = True
+                    raise _file_error(payload, path, 0)
+                elif kind == _LOST:
+                    done = True
+                    raise ChannelLost(f"{self.label}: the channel died during a write")
+        finally:
+            if not done and self.usable:
+                self._send(agent.KILL, pending.rid)
+            self._finish(pending)
+
+    async def exists(self, path: str) -> bool:
+        """Whether anything is at ``path`` (``lstat``).
+
+        Raises:
+            SandboxPermissionError: a parent cannot be searched.
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        payload = await self._simple(agent.STAT, path)
+        return payload == b"\x01"
+
+    async def remove(self, path: str) -> None:
+        """Remove a file, a link or a whole tree.
+
+        Raises:
+            SandboxFileNotFoundError, SandboxPermissionError: as for ``Runtime.remove``.
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        await self._simple(agent.REMOVE, path)
+
+    async def _simple(self, kind: int, path: str) -> bytes:
+        pending = self._open()
+        try:
+            self._send(kind, pending.rid, agent.text(path))
+            answer, payload = await self._next(pending)
+            if answer == agent.DONE:
+                return payload
+            if answer == agent.ERROR:
+                raise _file_error(payload, path, 0)
+            raise ChannelLost(f"{self.label}: the channel died during a file operation")
+        finally:
+            self._finish(pending)
+
+
+def _exec_header(
+    request: ExecRequest, env: Mapping[str, str], has_stdin: bool, complete: bool
+) -> bytes:
+    text = agent.text
+    merged = {**request.env, **env}
+    parts = [
+        agent.U8.pack((1 if has_stdin else 0) | (2 if complete else 0)),
+        agent.U64.pack(request.output_limit),
+        text(request.cwd),
+        text(request.user or ""),
+        U32.pack(len(request.argv)),
+        *(text(arg) for arg in request.argv),
+        U32.pack(len(merged)),
+    ]
+    for name, value in merged.items():
+        parts += (text(name), text(value))
+    return b"".join(parts)
+
+
+def _decode_hello(payload: bytes) -> dict[str, Any]:
+    version, pid, sid, uid, gid = agent.HELLO_FIELDS.unpack_from(payload, 0)
+    fields = agent.Fields(payload[agent.HELLO_FIELDS.size :])
+    return {"v": version, "pid": pid, "sid": sid, "uid": uid, "gid": gid, "python": fields.text()}
+
+
+def _decode_error(payload: bytes) -> tuple[int, str, str]:
+    fields = agent.Fields(payload[4:])
+    (num,) = I32.unpack_from(payload, 0)
+    return int(num), fields.text(), fields.text()
+
+
+def _exec_error(payload: bytes, request: ExecRequest) -> Exception:
+    num, what, message = _decode_error(payload)
+    program = request.argv[0]
+    if what == "unsupported":
+        return ChannelRefused(message)
+    if what == "internal":
+        return SandboxError(f"the channel agent could not run {program!r}: {message}")
+    if what == "cwd":
+        return error_for_errno(num, request.cwd, "working directory")
+    if what == "user":
+        return SandboxInvalidArgumentError(
+            f"no such user in the sandbox: {request.user!r} ({message})"
+        )
+    if num == errno.E2BIG:
+        size = sum(len(a.encode("utf-8", "surrogateescape")) + 1 for a in request.argv)
+        return SandboxInvalidArgumentError(
+            f"argument list too long for the kernel ({size} bytes); "
+            "pass large data through stdin or a file"
+        )
+    if num == errno.ENOENT:
+        return SandboxFileNotFoundError(program, "no such program")
+    if num in (errno.EACCES, errno.EPERM, errno.EISDIR):
+        return SandboxPermissionError(program, "not executable")
+    return error_for_errno(num, program, message or None)
+
+
+def _file_error(payload: bytes, path: str, limit: int) -> SandboxError:
+    num, what, message = _decode_error(payload)
+    if what == "internal":
+        return SandboxError(f"the channel agent failed on {path!r}: {message}")
+    if what == "special":
+        return SandboxInvalidArgumentError(f"{path!r} is a FIFO or a socket, not a file")
+    if what == "limit":
+        return OutputLimitExceededError(f"read of {path!r}", limit, path=path)
+    return error_for_errno(num, path, None)
+
+
+# ---------------------------------------------------------------------- supervision
+
+
+@dataclass(frozen=True)
+class ChannelHooks:
+    """What a backend gives its :class:`ChannelSupervisor`.
+
+    ``open_transport``: start ``agent_command()`` with stdin attached and return the stream
+    (raise a ``SandboxError`` when it cannot). ``kill_group``: kill a process group through
+    the plain path (the agent died holding it). ``lost_means_dead``: after the channel died,
+    whether the sandbox itself is gone. ``probe_dead``: a cheap check, during a long silence,
+    that the sandbox stopped (``None``: no such check).
+    """
+
+    open_transport: Callable[[], Awaitable[ChannelTransport]]
+    kill_group: Callable[[int], Awaitable[None]]
+    lost_means_dead: Callable[[], Awaitable[bool]]
+    probe_dead: Callable[[], Awaitable[bool]] | None = None
+
+
+@dataclass(frozen=True)
+class ChannelInfo:
+    """The state of a runtime's channel, for tests, logs and ``vf-sandbox doctor``.
+
+    ``state`` is ``disabled`` (``channel=False``), ``unsupported`` (no python3 in the
+    sandbox), ``running``, ``down`` (died or never came up; restarted on the next call while
+    the restart budget allows) or ``closed``. ``served`` counts the calls the channel served,
+    ``fallbacks`` those that took the backend's plain path while the channel was enabled.
+    """
+
+    state: str
+    agent_pid: int | None
+    python: str | None
+    restarts: int
+    served: int
+    fallbacks: int
+    reason: str | None
+
+
+class ChannelSupervisor:
+    """Routes a runtime's calls through its channel, with the fallbacks described above."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        label: Callable[[], str],
+        hooks: ChannelHooks,
+        *,
+        max_restarts: int = MAX_RESTARTS,
+        restart_window: float = RESTART_WINDOW,
+        start_timeout: float = START_TIMEOUT,
+    ) -> None:
+        self.enabled = enabled
+        self._label = label
+        self._hooks = hooks
+        self._max_restarts = max_restarts
+        self._restart_window = restart_window
+        self._start_timeout = start_timeout
+        self._channel: Channel | None = None
+        self._unsupported = False
+        self._closed = False
+        self._reason: str | None = None
+        self._restarts: collections.deque[float] = collections.deque()
+        self._restart_count = 0
+        self._served = 0
+        self._fallbacks = 0
+        self._locks: dict[int, anyio.Lock] = {}
+
+    @property
+    def info(self) -> ChannelInfo:
+        chan = self._channel
+        if not self.enabled:
+            state = "disabled"
+        elif self._closed:
+            state = "closed"
+        elif self._unsupported:
+            state = "unsupported"
+        elif chan is not None and chan.hello and not chan._lost and not chan._broken.is_set():
+            state = "running"
+        else:
+            state = "down"
+        hello = chan.hello if chan is not None else {}
+        return ChannelInfo(
+            state=state,
+            agent_pid=chan.agent_pid if chan is not None else None,
+            python=hello.get("python"),
+            restarts=self._restart_count,
+            served=self._served,
+            fallbacks=self._fallbacks,
+            reason=self._reason,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the agent (the runtime's ``_start``). Never raises: a sandbox without a
+        channel still works through the plain path."""
+        if self.enabled:
+            self._channel = await self._launch()
+
+    async def close(self) -> None:
+        """Close the channel (before the sandbox goes away)."""
+        self._closed = True
+        chan, self._channel = self._channel, None
+        if chan is not None:
+            await chan.aclose()
+
+    def close_now(self) -> None:
+        """Blocking close, for the atexit backstop."""
+        self._closed = True
+        chan, self._channel = self._channel, None
+        if chan is not None:
+            chan.close()
+
+    async def _launch(self) -> Channel | None:
+        label = self._label()
+        try:
+            with anyio.CancelScope(shield=True):
+                # Shielded: once the stream is open nothing may lose the handle on it.
+                transport = await self._hooks.open_transport()
+        except SandboxError as exc:
+            self._reason = f"could not start the agent: {exc}"
+            log.info("%s: %s", label, self._reason)
+            return None
+        chan = Channel(
+            transport,
+            f"channel of {label}",
+            probe_dead=self._probe_dead,
+            kill_group=self._hooks.kill_group,
+        )
+        try:
+            await chan.start(self._start_timeout)
+        except ChannelUnsupported as exc:
+            self._unsupported = True
+            self._reason = str(exc)
+            log.info("%s: %s; using the plain path", label, exc)
+        except (ChannelLost, TimeoutError) as exc:
+            self._reason = f"the agent did not start: {exc or 'timed out'}"
+            log.warning("%s: %s", label, self._reason)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await chan.aclose()
+            raise
+        else:
+            self._reason = None
+            return chan
+        with anyio.CancelScope(shield=True):
+            await chan.aclose()
+        return None
+
+    async def _current(self) -> Channel | None:
+        """The channel to use for this call, restarting a dead one if allowed; ``None``
+        for the plain path."""
+        if not self.enabled or self._unsupported or self._closed:
+            return None
+        chan = self._channel
+        if chan is not None:
+            if chan.usable:
+                return chan
+            if chan.foreign_loop:
+                return None  # another event loop (an atexit close, say): plain path
+        async with self._lock():
+            chan = self._channel
+            if chan is not None and chan.usable:
+                return chan
+            if chan is not None:
+                self._channel = None
+                await chan.aclose()
+            if self._closed or not self._may_restart():
+                return None
+            self._restart_count += 1
+            self._restarts.append(time.monotonic())
+            self._channel = await self._launch()
+            return self._channel
+
+    def _lock(self) -> anyio.Lock:
+        key = id(_current_loop())
+        lock = self._locks.get(key)
+        if lock is None:
+            self._locks = {key: (lock := anyio.Lock())}
+        return lock
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > self._restart_window:
+            self._restarts.popleft()
+        return len(self._restarts) < self._max_restarts
+
+    async def _retire(self, chan: Channel) -> None:
+        if self._channel is chan:
+            self._channel = None
+        with anyio.CancelScope(shield=True):
+            await chan.aclose()
+
+    async def _probe_dead(self) -> bool:
+        probe = self._hooks.probe_dead
+        if probe is None:
+            return False
+        try:
+            return await probe()
+        except SandboxError as exc:
+            log.debug("%s: liveness probe failed: %s", self._label(), exc)
+            return False
+
+    async def _failure(self, chan: Channel, what: str, pgid: int | None = None) -> SandboxError:
+        """The error for a non-idempotent request whose channel died under it."""
+        with anyio.CancelScope(shield=True):
+            await self._retire(chan)
+            if pgid is not None:
+                with anyio.move_on_after(KILL_WAIT):
+                    try:
+                        await self._hooks.kill_group(pgid)
+                    except SandboxError as exc:
+                        log.warning("%s: could not kill group %s: %s", self._label(), pgid, exc)
+            try:
+                dead = await self._hooks.lost_means_dead()
+            except SandboxError:
+                dead = False
+        if dead:
+            return SandboxUnavailableError(f"{self._label()} died during {what}")
+        said = chan._transport.diagnostics()
+        return SandboxTransportError(
+            f"{self._label()}: the channel to the sandbox failed during {what}"
+            + (f" (agent said: {said})" if said else "")
+        )
+
+    async def _unsent(self, chan: Channel, plain: Callable[[], Awaitable[T]]) -> T:
+        """The channel died before the request left: nothing ran, the plain path may."""
+        await self._retire(chan)
+        self._served -= 1
+        self._fallbacks += 1
+        return await plain()
+
+    def _gone(self, what: str) -> SandboxUnavailableError:
+        return SandboxUnavailableError(f"{self._label()} stopped answering during {what}")
+
+    # ------------------------------------------------------------------ routed calls
+
+    async def exec(
+        self,
+        request: ExecRequest,
+        sink: OutputSink,
+        plain: Callable[[], Awaitable[int]],
+        env: Mapping[str, str] | None = None,
+    ) -> int:
+        """Run through the channel, or ``plain()``. Errors as for ``Runtime._exec``."""
+        chan = await self._current()
+        if chan is None:
+            self._fallbacks += self.enabled
+            return await plain()
+        self._served += 1
+        what = f"exec of {request.argv[0]!r}"
+        try:
+            return await chan.exec(request, sink, env or {})
+        except ChannelRefused:
+            self._served -= 1
+            self._fallbacks += 1
+            return await plain()
+        except ChannelLost as lost:
+            if not lost.sent:
+                return await self._unsent(chan, plain)
+            raise await self._failure(chan, what, lost.pgid) from None
+        except SandboxGone:
+            await self._retire(chan)
+            raise self._gone(what) from None
+
+    async def read(self, path: str, limit: int, plain: Callable[[], Awaitable[bytes]]) -> bytes:
+        """Idempotent: a channel that dies under it hands over to ``plain()``."""
+        chan = await self._current()
+        if chan is None:
+            self._fallbacks += self.enabled
+            return await plain()
+        self._served += 1
+        try:
+            return await chan.read(path, limit)
+        except ChannelLost:
+            await self._retire(chan)
+            self._fallbacks += 1
+            return await plain()
+        except SandboxGone:
+            await self._retire(chan)
+            raise self._gone(f"a read of {path!r}") from None
+
+    async def exists(self, path: str, plain: Callable[[], Awaitable[bool]]) -> bool:
+        """Idempotent: a channel that dies under it hands over to ``plain()``."""
+        chan = await self._current()
+        if chan is None:
+            self._fallbacks += self.enabled
+            return await plain()
+        self._served += 1
+        try:
+            return await chan.exists(path)
+        except ChannelLost:
+            await self._retire(chan)
+            self._fallbacks += 1
+            return await plain()
+        except SandboxGone:
+            await self._retire(chan)
+            raise self._gone(f"a stat of {path!r}") from None
+
+    async def write(self, path: str, data: bytes, plain: Callable[[], Awaitable[None]]) -> None:
+        """Not idempotent: a channel that dies under it is a transport (or dead) error."""
+        chan = await self._current()
+        if chan is None:
+            self._fallbacks += self.enabled
+            return await plain()
+        self._served += 1
+        try:
+            return await chan.write(path, data)
+        except ChannelLost as lost:
+            if not lost.sent:
+                return await self._unsent(chan, plain)
+            raise await self._failure(chan, f"a write of {path!r}") from None
+        except SandboxGone:
+            await self._retire(chan)
+            raise self._gone(f"a write of {path!r}") from None
+
+    async def remove(self, path: str, plain: Callable[[], Awaitable[None]]) -> None:
+        """Not idempotent: a channel that dies under it is a transport (or dead) error."""
+        chan = await self._current()
+        if chan is None:
+            self._fallbacks += self.enabled
+            return await plain()
+        self._served += 1
+        try:
+            return await chan.remove(path)
+        except ChannelLost as lost:
+            if not lost.sent:
+                return await self._unsent(chan, plain)
+            raise await self._failure(chan, f"removing {path!r}") from None
+        except SandboxGone:
+            await self._retire(chan)
+            raise self._gone(f"removing {path!r}") from None
