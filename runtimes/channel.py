@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import _channel_agent as agent
@@ -146,6 +147,10 @@ class ChannelLost(Exception):
         self.sent = sent
 
 
+class ChannelStalled(ChannelLost):
+    """A file request heard nothing for the backend's I/O timeout: the channel is dropped."""
+
+
 class ChannelRefused(Exception):
     """The agent cannot serve this request (nothing was started): use the plain path."""
 
@@ -240,8 +245,12 @@ class Channel:
         *,
         probe_dead: Callable[[], Awaitable[bool]] | None = None,
         kill_group: Callable[[int], Awaitable[None]] | None = None,
+        stall_timeout: float | None = None,
+        kill_wait: float = KILL_WAIT,
     ) -> None:
         self.label = label
+        self._stall_timeout = stall_timeout
+        self._kill_wait = kill_wait
         self.hello: dict[str, Any] = {}
         self._transport = transport
         self._probe_dead = probe_dead
@@ -305,20 +314,32 @@ class Channel:
         pid = self.hello.get("pid")
         return int(pid) if pid is not None else None
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
         """Close the stream (from any thread; idempotent). The agent kills what it still
-        runs and exits; open requests get :class:`ChannelLost`."""
+        runs and exits; open requests get :class:`ChannelLost`. With ``wait=False`` the
+        transport is closed by a thread of its own (closing an SSH channel to a frozen
+        server can block)."""
         if self._closed.is_set():
             return
         self._closed.set()
         self._outbox.put(None)
+        if wait:
+            self._close_transport()
+        else:
+            threading.Thread(
+                target=self._close_transport, name="vf-channel-close", daemon=True
+            ).start()
+
+    def _close_transport(self) -> None:
         try:
             self._transport.close()
         except Exception as exc:  # noqa: BLE001 - closing a broken stream may fail too
             log.debug("%s: closing the stream failed: %r", self.label, exc)
 
     async def aclose(self) -> None:
-        await anyio.to_thread.run_sync(self.close)
+        """Close without blocking the event loop (see :meth:`close`)."""
+        self.close(wait=False)
+        await anyio.lowlevel.checkpoint()
 
     # ------------------------------------------------------------------ threads
 
@@ -480,12 +501,19 @@ class Channel:
         prefix = U32.pack(len(header)) + header
         self._emit(FRAME.pack(kind, rid, len(prefix) + len(inline)) + prefix + inline)
 
-    async def _next(self, request: _Request) -> Frame:
-        """The request's next frame; a silence is met with the backend's liveness probe."""
+    async def _next(self, request: _Request, *, file: bool = False) -> Frame:
+        """The request's next frame. A silence is met with the backend's liveness probe;
+        a file request (never silent for long) fails after the stall timeout."""
+        stall = self._stall_timeout if file else None
+        waited = 0.0
         wait = FIRST_PROBE
         while True:
-            with anyio.move_on_after(wait):
+            step = wait if stall is None else min(wait, stall - waited)
+            with anyio.move_on_after(step):
                 return await request.frames.receive()
+            waited += step
+            if stall is not None and waited >= stall:
+                raise ChannelStalled(f"{self.label}: no answer for {stall:g}s")
             if self._probe_dead is not None and await self._probe_dead():
                 raise SandboxGone(f"{self.label}: the sandbox stopped")
             wait = NEXT_PROBE
@@ -557,7 +585,7 @@ class Channel:
         """
         if self.usable:
             self._send(agent.KILL, pending.rid)
-            with anyio.move_on_after(KILL_WAIT):
+            with anyio.move_on_after(self._kill_wait):
                 while True:
                     kind, payload = await pending.frames.receive()
                     if kind == agent.STARTED:
@@ -572,7 +600,7 @@ class Channel:
             )
             return
         try:
-            with anyio.move_on_after(KILL_WAIT):
+            with anyio.move_on_after(self._kill_wait):
                 await self._kill_group(pgid)
         except SandboxError as exc:
             log.warning("%s: could not kill process group %s: %s", self.label, pgid, exc)
@@ -591,7 +619,7 @@ class Channel:
             self._send(agent.READ, pending.rid, agent.U64.pack(limit) + agent.text(path))
             parts: list[bytes] = []
             while True:
-                kind, payload = await self._next(pending)
+                kind, payload = await self._next(pending, file=True)
                 if kind == agent.CHUNK:
                     parts.append(payload)
                 elif kind == agent.DONE:
@@ -627,7 +655,7 @@ class Channel:
             sent, in_flight = len(inline), 0
             while True:
                 sent, in_flight = self._send_more(pending.rid, view, sent, in_flight)
-                kind, payload = await self._next(pending)
+                kind, payload = await self._next(pending, file=True)
                 if kind == agent.ACK:
                     in_flight -= U32.unpack(payload)[0]
                 elif kind == agent.DONE:
@@ -667,7 +695,7 @@ class Channel:
         pending = self._open()
         try:
             self._send(kind, pending.rid, agent.text(path))
-            answer, payload = await self._next(pending)
+            answer, payload = await self._next(pending, file=True)
             if answer == agent.DONE:
                 return payload
             if answer == agent.ERROR:
@@ -796,6 +824,8 @@ class ChannelSupervisor:
         max_restarts: int = MAX_RESTARTS,
         restart_window: float = RESTART_WINDOW,
         start_timeout: float = START_TIMEOUT,
+        stall_timeout: float | None = None,
+        kill_wait: float = KILL_WAIT,
     ) -> None:
         self.enabled = enabled
         self._label = label
@@ -803,6 +833,8 @@ class ChannelSupervisor:
         self._max_restarts = max_restarts
         self._restart_window = restart_window
         self._start_timeout = start_timeout
+        self._stall_timeout = stall_timeout
+        self._kill_wait = kill_wait
         self._channel: Channel | None = None
         self._unsupported = False
         self._closed = False
@@ -874,6 +906,8 @@ class ChannelSupervisor:
             f"channel of {label}",
             probe_dead=self._probe_dead,
             kill_group=self._hooks.kill_group,
+            stall_timeout=self._stall_timeout,
+            kill_wait=self._kill_wait,
         )
         try:
             await chan.start(self._start_timeout)
@@ -954,7 +988,7 @@ class ChannelSupervisor:
         with anyio.CancelScope(shield=True):
             await self._retire(chan)
             if pgid is not None:
-                with anyio.move_on_after(KILL_WAIT):
+                with anyio.move_on_after(self._kill_wait):
                     try:
                         await self._hooks.kill_group(pgid)
                     except SandboxError as exc:

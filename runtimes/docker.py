@@ -156,7 +156,7 @@ _KILL_GROUP = 'kill -9 "-$1" 2>/dev/null || kill -9 "$1" 2>/dev/null; exit 0'
 # (its environment carries the runtime's mark; a restarted container reuses pids).
 _KILL_ORPHAN = (
     'tr "\\0" "\\n" < "/proc/$1/environ" 2>/dev/null | grep -qxF -- "$2" && '
-    'kill -9 -- "-$1" 2>/dev/null; exit 0'
+    'kill -9 "-$1" 2>/dev/null; exit 0'
 )
 
 # Every exec is a session of its own (docker exec calls setsid); the keep-alive and init
@@ -198,6 +198,15 @@ __vf_d=${1%/*}
 if [ -e "${__vf_d:-/}" ] && [ ! -d "${__vf_d:-/}" ]; then exit 20; fi
 mkdir -p -- "${__vf_d:-/}" || exit 1
 exec cat > "$1"
+"""
+_TEMP_PREFIX = ".vf-sandbox-write-"
+# A mount point (docker bind-mounts /etc/hosts, /etc/hostname...) cannot be renamed over:
+# its content is rewritten from the temporary file instead.
+_REPLACE_SCRIPT = r"""
+mv -f -- "$1" "$2" 2>/dev/null && exit 0
+cat -- "$1" > "$2"; rc=$?
+rm -f -- "$1"
+exit $rc
 """
 _MKDIRS_SCRIPT = 'mkdir -p -- "$1" && if [ -n "$2" ]; then chown -- "$2" "$1"; fi'
 
@@ -764,6 +773,8 @@ def _prelude_error(code: str, request: ExecRequest) -> SandboxError:
 def _engine_exec_error(text: str, request: ExecRequest, where: str) -> SandboxError:
     """The engine refused to start the command; ``text`` is its message."""
     lowered = text.lower()
+    if any(gone in lowered for gone in ("is not running", "is paused", "no such container")):
+        return SandboxUnavailableError(f"{where}: {text}")
     if "argument list too long" in lowered or "exceed maximum message" in lowered:
         size = sum(len(a.encode()) + 1 for a in request.argv)
         return SandboxInvalidArgumentError(
@@ -973,6 +984,7 @@ class DockerRuntime(Runtime):
                 lost_means_dead=self._died_with_container,
                 probe_dead=self._stopped,
             ),
+            stall_timeout=self.config.api_timeout,
         )
 
     @property
@@ -1655,20 +1667,33 @@ class DockerRuntime(Runtime):
         if not self._files_as_root:
             await self._write_by_exec(path, data)
             return
-        await _blocking(lambda: self._write_blocking(path, data), self.config)
+        temp, target = await _blocking(lambda: self._write_temp_blocking(path, data), self.config)
+        await self._replace(temp, target, path)
 
-    def _write_blocking(self, path: str, data: bytes) -> None:
+    def _write_temp_blocking(self, path: str, data: bytes) -> tuple[str, str]:
+        """Upload ``data`` as a fresh temporary file next to the target: the engine
+        extracts an archive in place (the old file removed first), so a cut upload would
+        otherwise leave a partial file. Returns (temporary file, target)."""
         self._check_running_blocking()
         target, stat = self._resolved_stat_blocking(path)
         if path.endswith("/") or (stat is not None and _is_dir(stat)):
             raise SandboxIsADirectoryError(path)
         mode = int(stat["mode"]) & 0o777 if stat is not None else 0o644
-        parent, name = posixpath.split(target)
+        parent = posixpath.dirname(target) or "/"
+        name = f"{_TEMP_PREFIX}{uuid.uuid4().hex[:16]}"
         archive = _file_tar(name, data, mode)
-        if not self._put_archive_blocking(parent or "/", archive, path):
+        if not self._put_archive_blocking(parent, archive, path):
             self._make_dirs_blocking(parent, path)
             if not self._put_archive_blocking(parent, archive, path):
                 raise SandboxFileNotFoundError(path, "the parent directory vanished")
+        return posixpath.join(parent, name), target
+
+    async def _replace(self, temp: str, target: str, shown: str) -> None:
+        """Rename the uploaded temporary file over the target (one exec)."""
+        request, sink = self._request(["sh", "-c", _REPLACE_SCRIPT, "sh", temp, target])
+        code = await self._run(request, sink)
+        if code != 0:
+            raise _stderr_error(shown, sink)
 
     def _put_archive_blocking(self, directory: str, archive: bytes, shown: str) -> bool:
         """Extract ``archive`` into ``directory``; ``False`` if the directory is missing."""

@@ -40,7 +40,7 @@ import signal
 import socket
 import stat
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -96,6 +96,8 @@ _INLINE_SCRIPT_LIMIT = 96 * 1024
 the kernel caps one argument (the ``sh -c`` script) at 128 KiB."""
 _MAX_ARG_STRLEN = 128 * 1024
 _ARG_MAX = 2 * MiB
+_TEMP_PREFIX = ".vf-sandbox-write-"
+"""Temporary files of atomic writes (the channel agent uses the same prefix)."""
 _FILE_ERRNOS = frozenset(
     {
         errno.ENOENT,
@@ -476,13 +478,14 @@ class _Connection:
         import paramiko
 
         if self._sftp is None or self._sftp.get_channel().closed:  # type: ignore[union-attr]
-            client = paramiko.SFTPClient.from_transport(
-                self.transport, window_size=_WINDOW, max_packet_size=_MAX_PACKET
+            # SFTPClient.from_transport, with every wait bounded by io_timeout.
+            chan = self.transport.open_session(
+                window_size=_WINDOW, max_packet_size=_MAX_PACKET, timeout=self.io_timeout
             )
-            if client is None:
-                raise paramiko.SSHException("the server refused the sftp subsystem")
-            client.get_channel().settimeout(self.io_timeout)  # type: ignore[union-attr]
-            self._sftp = client
+            chan.settimeout(self.io_timeout)
+            with _answer_within(chan, self.io_timeout):
+                chan.invoke_subsystem("sftp")
+                self._sftp = paramiko.SFTPClient(chan)
         return self._sftp
 
     def sftp_closed(self) -> bool:
@@ -495,6 +498,33 @@ class _Connection:
                 self._sftp.close()
             self._sftp = None
         self.transport.close()
+
+
+@contextlib.contextmanager
+def _answer_within(channel: paramiko.Channel, seconds: float) -> Iterator[None]:
+    """paramiko waits for the answer to a channel request (exec, subsystem) without a
+    timeout: a server that stopped answering (paused, wedged) would hold the thread for
+    ever. After ``seconds`` the channel is closed, which ends the wait; that is reported
+    as a ``TimeoutError`` (a connection failure for the callers)."""
+    import paramiko
+
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        channel.close()
+
+    watchdog = threading.Timer(seconds, expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    except (paramiko.SSHException, EOFError, OSError) as exc:
+        if expired.is_set():
+            raise TimeoutError(f"the server did not answer within {seconds:g}s") from exc
+        raise
+    finally:
+        watchdog.cancel()
 
 
 def _read_channel(recv: Callable[[int], bytes]) -> bytes:
@@ -511,7 +541,8 @@ def _run_control(
     chan = transport.open_session(timeout=timeout)
     try:
         chan.settimeout(timeout)
-        chan.exec_command("sh -c " + shlex.quote(script))
+        with _answer_within(chan, timeout):
+            chan.exec_command("sh -c " + shlex.quote(script))
         if stdin:
             chan.sendall(stdin)
         chan.shutdown_write()
@@ -775,9 +806,12 @@ class _RemoteCommand:
         return bytes(self._pending)
 
 
-def _start_command(channel: paramiko.Channel, command: str, close_stdin: bool) -> None:
+def _start_command(
+    channel: paramiko.Channel, command: str, close_stdin: bool, timeout: float
+) -> None:
     try:
-        channel.exec_command(_raw(command))
+        with _answer_within(channel, timeout):
+            channel.exec_command(_raw(command))
         if close_stdin:
             channel.shutdown_write()
     except BaseException:
@@ -886,26 +920,105 @@ def _sftp_ensure_dir(sftp: paramiko.SFTPClient, directory: str, target: str) -> 
         raise
 
 
-def _sftp_write(sftp: paramiko.SFTPClient, path: str, data: bytes) -> None:
+def _refuse_fifo(sftp: paramiko.SFTPClient, path: str) -> paramiko.SFTPAttributes | None:
+    """A FIFO or socket would hold the server's open() until io_timeout: refuse it first.
+    Returns the path's (followed) attributes, ``None`` when it cannot be stat'ed."""
     try:
+        info = sftp.stat(path)
+    except OSError:
+        return None  # missing or not searchable: open() tells what is wrong
+    mode = info.st_mode or 0
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        raise SandboxInvalidArgumentError(f"{path!r} is a FIFO or a socket, not a file")
+    return info
+
+
+def _sftp_write(sftp: paramiko.SFTPClient, path: str, data: bytes) -> None:
+    """Write into a temporary file next to the target and rename it over the target, so a
+    write cut midway (server killed, connection lost) leaves the old content or the new,
+    never a mix. In place where a rename could not keep the file what it was: not a
+    regular file, another user's file, a directory we cannot create files in."""
+    info = _refuse_fifo(sftp, path)
+    try:
+        target = _write_target(sftp, path)
+        if info is not None and not stat.S_ISREG(info.st_mode or 0):
+            _sftp_write_in_place(sftp, target, data)
+            return
+        temp = posixpath.join(
+            posixpath.dirname(target) or "/", f"{_TEMP_PREFIX}{secrets.token_hex(8)}"
+        )
         try:
-            fh = sftp.open(path, "wb")
+            fh = sftp.open(temp, "wbx")
         except OSError as exc:
             if exc.errno != errno.ENOENT:
-                raise
-            _sftp_ensure_dir(sftp, posixpath.dirname(path) or "/", path)
-            fh = sftp.open(path, "wb")
-        with fh:
-            fh.set_pipelined(True)
-            view = memoryview(data)
-            for offset in range(0, len(view), _CHUNK):
-                fh.write(bytes(view[offset : offset + _CHUNK]))
+                _sftp_write_in_place(sftp, target, data)  # the directory is not writable
+                return
+            _sftp_ensure_dir(sftp, posixpath.dirname(target) or "/", path)
+            fh = sftp.open(temp, "wbx")
+        try:
+            with fh:
+                if info is not None and fh.stat().st_uid != info.st_uid:
+                    fh.close()
+                    sftp.remove(temp)
+                    _sftp_write_in_place(sftp, target, data)  # a rename would change the owner
+                    return
+                _write_chunks(fh, data)
+                if info is not None:
+                    fh.chmod(stat.S_IMODE(info.st_mode or 0o644))
+            _sftp_replace(sftp, temp, target, data)
+        except BaseException:
+            with contextlib.suppress(OSError, EOFError):
+                sftp.remove(temp)
+            raise
     except OSError as exc:
         if isinstance(exc, SandboxError):
             raise
         if exc.errno is None or exc.errno in _FILE_ERRNOS:
             raise _diagnose(sftp, path, exc) from None
         raise
+
+
+def _write_target(sftp: paramiko.SFTPClient, path: str) -> str:
+    """The file a write to ``path`` lands in: a symlink is written through."""
+    try:
+        if not stat.S_ISLNK(sftp.lstat(path).st_mode or 0):
+            return path
+    except OSError:
+        return path
+    try:
+        return sftp.normalize(path)
+    except OSError:
+        return path  # dangling: open() creates the link's target
+
+
+def _sftp_replace(sftp: paramiko.SFTPClient, temp: str, target: str, data: bytes) -> None:
+    try:
+        sftp.posix_rename(temp, target)
+    except OSError as exc:
+        if exc.errno not in (errno.EBUSY, errno.EXDEV, None):
+            raise
+        # A mount point (or a server without posix-rename): rewrite the content in place.
+        _sftp_write_in_place(sftp, target, data)
+        sftp.remove(temp)
+
+
+def _sftp_write_in_place(sftp: paramiko.SFTPClient, path: str, data: bytes) -> None:
+    try:
+        fh = sftp.open(path, "wb")
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise
+        _sftp_ensure_dir(sftp, posixpath.dirname(path) or "/", path)
+        fh = sftp.open(path, "wb")
+    with fh:
+        _write_chunks(fh, data)
+
+
+def _write_chunks(fh: paramiko.SFTPFile, data: bytes) -> None:
+    fh.set_pipelined(True)
+    view = memoryview(data)
+    for offset in range(0, len(view), _CHUNK):
+        fh.write(bytes(view[offset : offset + _CHUNK]))
 
 
 def _sftp_exists(sftp: paramiko.SFTPClient, path: str) -> bool:
@@ -1041,6 +1154,8 @@ class SSHRuntime(Runtime):
                 kill_group=self._kill_group_plainly,
                 lost_means_dead=_never,
             ),
+            stall_timeout=self.config.io_timeout,
+            kill_wait=self._kill_wait,
         )
 
     @property
@@ -1322,7 +1437,13 @@ class SSHRuntime(Runtime):
         assert self._marker is not None
         conn, channel = await self._retrying(self._open_channel)
         try:
-            await self._thread(_start_command, channel, _agent_command_line(self._marker), False)
+            await self._thread(
+                _start_command,
+                channel,
+                _agent_command_line(self._marker),
+                False,
+                self.config.io_timeout,
+            )
         except (paramiko.SSHException, OSError, EOFError) as exc:
             if self._connection_failed(conn, exc):
                 raise self._broken(conn, "starting the channel agent", exc) from exc
@@ -1375,7 +1496,9 @@ class SSHRuntime(Runtime):
         import paramiko
 
         try:
-            await self._thread(_start_command, channel, command, not request.stdin)
+            await self._thread(
+                _start_command, channel, command, not request.stdin, self.config.io_timeout
+            )
         except (paramiko.SSHException, OSError, EOFError) as exc:
             if self._connection_failed(conn, exc):
                 raise self._broken(conn, f"exec of {request.argv[0]!r}", exc) from exc

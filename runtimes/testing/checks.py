@@ -531,6 +531,25 @@ async def check_write_overwrites(rt: Runtime) -> None:
 
 
 @check
+async def check_write_keeps_file_and_leaves_nothing_beside(rt: Runtime) -> None:
+    """Overwriting keeps the file's mode, writes through a symlink (the link stays a link)
+    and leaves no temporary file next to the target."""
+    base = await _scratch(rt)
+    await rt.write(f"{base}/tool.sh", b"#!/bin/sh\necho old\n")
+    await rt.exec(["chmod", "750", f"{base}/tool.sh"])
+    await rt.exec(["ln", "-s", "tool.sh", f"{base}/link"])
+    await rt.write(f"{base}/link", b"#!/bin/sh\necho new\n")
+    await rt.write(f"{base}/fresh", b"fresh")
+    assert (await rt.exec([f"{base}/tool.sh"])).stdout == "new\n"
+    state = await rt.exec(
+        ["sh", "-c", 'cd "$1" && stat -c "%a" tool.sh && readlink link && ls -A', "sh", base]
+    )
+    assert state.stdout.split("\n")[:-1] == ["750", "tool.sh", "fresh", "link", "tool.sh"], (
+        state.stdout
+    )
+
+
+@check
 async def check_relative_paths(rt: Runtime) -> None:
     """Relative file paths resolve against the workdir."""
     name = f"rel-{random.randrange(1 << 30)}/x.txt"
