@@ -1679,6 +1679,8 @@ class DockerRuntime(Runtime):
         if path.endswith("/") or (stat is not None and _is_dir(stat)):
             raise SandboxIsADirectoryError(path)
         mode = int(stat["mode"]) & 0o777 if stat is not None else 0o644
+        # The archive API cleans paths lexically ("a/../f" is "f"); the rename must too.
+        target = posixpath.normpath(target)
         parent = posixpath.dirname(target) or "/"
         name = f"{_TEMP_PREFIX}{uuid.uuid4().hex[:16]}"
         archive = _file_tar(name, data, mode)

@@ -13,7 +13,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,20 @@ async def settle(call: Awaitable[Any], limit: float) -> Outcome:
         outcome.error = exc
     outcome.seconds = time.monotonic() - started
     return outcome
+
+
+async def settle_during(
+    call: Awaitable[Any], delay: float, fault: Callable[[], None], limit: float
+) -> Outcome:
+    """:func:`settle` ``call``; ``delay`` seconds in, inject ``fault`` (blocking, in a thread)."""
+
+    async def inject() -> None:
+        await anyio.sleep(delay)
+        await anyio.to_thread.run_sync(fault)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(inject)
+        return await settle(call, limit)
 
 
 # ---------------------------------------------------------------------- host resources

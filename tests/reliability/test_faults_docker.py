@@ -13,7 +13,7 @@ Every faulted call runs under ``settle(call, limit)``: it must answer with its t
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -29,7 +29,7 @@ from runtimes.base import Runtime
 from runtimes.models import MiB
 from tests.docker.proxy import EngineProxy
 
-from .conftest import TALLY, assert_no_process, settle, sha, token
+from .conftest import TALLY, assert_no_process, settle, settle_during, sha, token
 
 pytestmark = [pytest.mark.anyio, pytest.mark.docker, pytest.mark.usefixtures("no_container_leaks")]
 
@@ -66,20 +66,6 @@ def _recover(container: Any, fault: str) -> None:
         container.start()
 
 
-async def _during(
-    call: Awaitable[Any], delay: float, fault: Callable[[], None], limit: float
-) -> Any:
-    """Run ``call``; ``delay`` seconds in, inject ``fault`` (blocking, in a thread)."""
-
-    async def inject() -> None:
-        await anyio.sleep(delay)
-        await anyio.to_thread.run_sync(fault)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(inject)
-        return await settle(call, limit)
-
-
 @pytest.fixture
 async def rt() -> Any:
     async with open_runtime({"type": "docker"}) as runtime:
@@ -110,7 +96,7 @@ async def _faulted_exec(rt: Runtime, docker_client: Any, fault: str) -> None:
     container = _container(docker_client, rt)
     await rt.write("kept.txt", OLD)
     mark = token()
-    outcome = await _during(
+    outcome = await settle_during(
         rt.exec(["sh", "-c", f"echo started; sleep {mark}"], timeout=EXEC_TIMEOUT),
         0.5,
         lambda: FAULTS[fault](container),
@@ -138,7 +124,9 @@ async def _faulted_exec(rt: Runtime, docker_client: Any, fault: str) -> None:
 async def test_container_faulted_mid_read(rt: Runtime, docker_client: Any, fault: str) -> None:
     container = _container(docker_client, rt)
     await rt.write("big.bin", NEW)
-    outcome = await _during(rt.read("big.bin"), 0.05, lambda: FAULTS[fault](container), MARGIN)
+    outcome = await settle_during(
+        rt.read("big.bin"), 0.05, lambda: FAULTS[fault](container), MARGIN
+    )
     if outcome.error is not None:
         outcome.raised(SandboxUnavailableError)
     else:
@@ -163,7 +151,7 @@ async def test_container_faulted_mid_write(docker_client: Any, fault: str, chann
 async def _faulted_write(rt: Runtime, docker_client: Any, fault: str) -> None:
     container = _container(docker_client, rt)
     await rt.write("target.bin", OLD)
-    outcome = await _during(
+    outcome = await settle_during(
         rt.write("target.bin", NEW), 0.05, lambda: FAULTS[fault](container), MARGIN
     )
     if outcome.error is not None:
@@ -208,7 +196,7 @@ async def test_engine_restart_mid_exec(proxy: EngineProxy, channel: bool) -> Non
 
 async def _exec_through_restart(proxied: Runtime, proxy: EngineProxy) -> None:
     mark = token()
-    outcome = await _during(
+    outcome = await settle_during(
         proxied.exec(["sh", "-c", f"echo started; sleep {mark}"], timeout=30),
         0.5,
         proxy.cut,
@@ -232,7 +220,7 @@ async def test_engine_restart_mid_read_is_ridden_out(proxied: Runtime, proxy: En
         proxy.cut()
         threading.Timer(0.3, proxy.restore).start()
 
-    outcome = await _during(proxied.read("big.bin"), 0.05, blip, MARGIN + 30)
+    outcome = await settle_during(proxied.read("big.bin"), 0.05, blip, MARGIN + 30)
     assert outcome.error is None, f"the read did not ride out a short outage: {outcome.error!r}"
     assert sha(outcome.value) == sha(NEW)
     TALLY.add("faults survived: docker engine restarted mid-read")
@@ -242,7 +230,7 @@ async def test_engine_down_mid_read_is_transport_error(
     proxied: Runtime, proxy: EngineProxy
 ) -> None:
     await proxied.write("big.bin", NEW)
-    outcome = await _during(proxied.read("big.bin"), 0.05, proxy.cut, MARGIN + 30)
+    outcome = await settle_during(proxied.read("big.bin"), 0.05, proxy.cut, MARGIN + 30)
     outcome.raised(SandboxTransportError)
     proxy.restore()
     assert sha(await proxied.read("big.bin")) == sha(NEW)
@@ -258,7 +246,7 @@ async def test_engine_restart_mid_write(proxy: EngineProxy, channel: bool) -> No
 
 async def _write_through_restart(proxied: Runtime, proxy: EngineProxy) -> None:
     await proxied.write("target.bin", OLD)
-    outcome = await _during(proxied.write("target.bin", NEW), 0.05, proxy.cut, MARGIN + 30)
+    outcome = await settle_during(proxied.write("target.bin", NEW), 0.05, proxy.cut, MARGIN + 30)
     outcome.raised(SandboxTransportError)
     proxy.restore()
     after = await proxied.read("target.bin")

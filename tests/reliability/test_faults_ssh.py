@@ -11,7 +11,7 @@ answers nothing: an exec runs into its own timeout (``ExecTimeoutError``), file 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from runtimes.base import Runtime
 from runtimes.models import MiB
 from tests.ssh.sshd import SSHServer
 
-from .conftest import TALLY, Outcome, assert_no_process, settle, sha, token
+from .conftest import TALLY, assert_no_process, settle, settle_during, sha, token
 
 pytestmark = [pytest.mark.anyio, pytest.mark.ssh]
 
@@ -99,18 +99,6 @@ def _file_config(sshd: SSHServer, fault: str) -> Any:
     )
 
 
-async def _during(
-    call: Awaitable[Any], delay: float, fault: Callable[[], None], limit: float
-) -> Outcome:
-    async def inject() -> None:
-        await anyio.sleep(delay)
-        await anyio.to_thread.run_sync(fault)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(inject)
-        return await settle(call, limit)
-
-
 async def _after_fault(rt: Runtime, sshd: SSHServer, fault: str) -> None:
     """While the server is down, calls are unavailable; once it is back, the runtime is."""
     if not fault.startswith("paused"):
@@ -129,7 +117,7 @@ async def test_server_faulted_mid_exec(sshd: SSHServer, fault: str) -> None:
     async with open_runtime(sshd.config()) as rt:
         await rt.write("kept.txt", OLD)
         mark = token()
-        outcome = await _during(
+        outcome = await settle_during(
             rt.exec(["sh", "-c", f"echo started; sleep {mark}"], timeout=EXEC_TIMEOUT),
             0.6,
             lambda: FAULTS[fault](sshd),
@@ -152,7 +140,9 @@ async def test_server_faulted_mid_read(sshd: SSHServer, fault: str) -> None:
     async with open_runtime(config) as rt:
         await rt.write("kept.txt", OLD)
         await rt.write("big.bin", NEW)
-        outcome = await _during(rt.read("big.bin"), 0.1, lambda: FAULTS[fault](sshd), FILE_LIMIT)
+        outcome = await settle_during(
+            rt.read("big.bin"), 0.1, lambda: FAULTS[fault](sshd), FILE_LIMIT
+        )
         if outcome.error is None:
             assert sha(outcome.value) == sha(NEW), "a read that returns must return every byte"
         else:
@@ -168,7 +158,7 @@ async def test_server_faulted_mid_write(sshd: SSHServer, fault: str) -> None:
     async with open_runtime(config) as rt:
         await rt.write("kept.txt", OLD)
         await rt.write("big.bin", OLD)
-        outcome = await _during(
+        outcome = await settle_during(
             rt.write("big.bin", NEW), 0.1, lambda: FAULTS[fault](sshd), FILE_LIMIT
         )
         if outcome.error is not None:
