@@ -546,7 +546,7 @@ class Runtime(abc.ABC):
     async def _remove(self, path: str) -> None:
         request, sink = self._internal(["rm", "-rf", "--", path])
         if await self._exec(request, sink) != 0:
-            raise _shell_error(path, sink)
+            raise shell_error(path, sink)
 
     async def _upload(self, source: Path, remote: str) -> None:
         if await anyio.Path(source).is_file():
@@ -557,7 +557,7 @@ class Runtime(abc.ABC):
             ["sh", "-c", 'mkdir -p -- "$1" && tar -x -f - -C "$1"', "sh", remote], stdin=archive
         )
         if await self._exec(request, sink) != 0:
-            raise _shell_error(remote, sink)
+            raise shell_error(remote, sink)
 
     async def _download(self, remote: str, local: Path) -> None:
         request, sink = self._internal(
@@ -585,7 +585,7 @@ class Runtime(abc.ABC):
                 f"download of {remote!r}", self.config.read_limit, path=remote
             )
         if code != 0:
-            raise _shell_error(remote, sink)
+            raise shell_error(remote, sink)
         await anyio.to_thread.run_sync(_untar_into, bytes(sink.stdout), local)
 
     def _internal(
@@ -660,13 +660,15 @@ def _check_local_path(local: PathLike) -> None:
         raise SandboxInvalidArgumentError(f"local path contains a NUL byte: {local!r}")
 
 
-def _shell_error(path: str, sink: OutputSink) -> SandboxError:
+def shell_error(path: str, sink: OutputSink) -> SandboxError:
+    """The typed error a failed shell file command reported on its stderr."""
     from .errors import error_for_errno
 
     message = bytes(sink.stderr).decode("utf-8", "replace").strip()
     lowered = message.lower()
     for needle, num in (
         ("no such file", 2),
+        ("directory nonexistent", 2),  # dash: "cannot create x/y: Directory nonexistent"
         ("permission denied", 13),
         ("not a directory", 20),
         ("is a directory", 21),

@@ -1047,68 +1047,54 @@ class ChannelSupervisor:
 
     async def read(self, path: str, limit: int, plain: Callable[[], Awaitable[bytes]]) -> bytes:
         """Idempotent: a channel that dies under it hands over to ``plain()``."""
-        chan = await self._current()
-        if chan is None:
-            self._fallbacks += self.enabled
-            return await plain()
-        self._served += 1
-        try:
-            return await chan.read(path, limit)
-        except ChannelLost:
-            await self._retire(chan)
-            self._fallbacks += 1
-            return await plain()
-        except SandboxGone:
-            await self._retire(chan)
-            raise self._gone(f"a read of {path!r}") from None
+        return await self._file_call(
+            lambda chan: chan.read(path, limit), plain, f"a read of {path!r}", idempotent=True
+        )
 
     async def exists(self, path: str, plain: Callable[[], Awaitable[bool]]) -> bool:
         """Idempotent: a channel that dies under it hands over to ``plain()``."""
-        chan = await self._current()
-        if chan is None:
-            self._fallbacks += self.enabled
-            return await plain()
-        self._served += 1
-        try:
-            return await chan.exists(path)
-        except ChannelLost:
-            await self._retire(chan)
-            self._fallbacks += 1
-            return await plain()
-        except SandboxGone:
-            await self._retire(chan)
-            raise self._gone(f"a stat of {path!r}") from None
+        return await self._file_call(
+            lambda chan: chan.exists(path), plain, f"a stat of {path!r}", idempotent=True
+        )
 
     async def write(self, path: str, data: bytes, plain: Callable[[], Awaitable[None]]) -> None:
         """Not idempotent: a channel that dies under it is a transport (or dead) error."""
-        chan = await self._current()
-        if chan is None:
-            self._fallbacks += self.enabled
-            return await plain()
-        self._served += 1
-        try:
-            return await chan.write(path, data)
-        except ChannelLost as lost:
-            if not lost.sent:
-                return await self._unsent(chan, plain)
-            raise await self._failure(chan, f"a write of {path!r}") from None
-        except SandboxGone:
-            await self._retire(chan)
-            raise self._gone(f"a write of {path!r}") from None
+        await self._file_call(
+            lambda chan: chan.write(path, data), plain, f"a write of {path!r}", idempotent=False
+        )
 
     async def remove(self, path: str, plain: Callable[[], Awaitable[None]]) -> None:
         """Not idempotent: a channel that dies under it is a transport (or dead) error."""
+        await self._file_call(
+            lambda chan: chan.remove(path), plain, f"removing {path!r}", idempotent=False
+        )
+
+    async def _file_call(
+        self,
+        call: Callable[[Channel], Awaitable[T]],
+        plain: Callable[[], Awaitable[T]],
+        what: str,
+        *,
+        idempotent: bool,
+    ) -> T:
+        """Serve a file call through the channel, else ``plain()``. A channel lost under an
+        idempotent call hands over to ``plain()``; under another one, only if the request
+        was never sent (else a transport or dead error)."""
         chan = await self._current()
         if chan is None:
             self._fallbacks += self.enabled
             return await plain()
         self._served += 1
         try:
-            return await chan.remove(path)
+            return await call(chan)
         except ChannelLost as lost:
+            if idempotent:
+                await self._retire(chan)
+                self._fallbacks += 1
+                return await plain()
             if not lost.sent:
                 return await self._unsent(chan, plain)
-            raise await self._failure(chan, f"removing {path!r}") from None
+            raise await self._failure(chan, what) from None
         except SandboxGone:
             await self._retire(chan)
-            raise self._gone(f"removing {path!r}") from None
+            raise self._gone(what) from None

@@ -52,3 +52,11 @@ def config_error_from_validation(type_name: str, exc: ValidationError) -> Runtim
         + "\n".join(f"  {line}" for line in validation_lines(exc)),
         [dict(e) for e in exc.errors(include_url=False, include_input=False)],
     )
+
+
+def absolute_workdir(value: str | None) -> str | None:
+    """Field validator of backends whose ``workdir`` lives in the sandbox (reused with
+    ``field_validator("workdir")(absolute_workdir)``)."""
+    if value is not None and not value.startswith("/"):
+        raise ValueError(f"workdir must be an absolute path, got {value!r}")
+    return value

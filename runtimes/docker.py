@@ -50,7 +50,7 @@ import anyio.lowlevel
 from pydantic import Field, field_validator
 
 from . import session
-from .base import MARK_VAR, Runtime
+from .base import MARK_VAR, Runtime, shell_error
 from .channel import (
     ChannelHooks,
     ChannelInfo,
@@ -58,7 +58,7 @@ from .channel import (
     ChannelTransport,
     agent_command,
 )
-from .config import RuntimeConfig
+from .config import RuntimeConfig, absolute_workdir
 from .errors import (
     OutputLimitExceededError,
     ProvisioningError,
@@ -258,12 +258,7 @@ class DockerConfig(RuntimeConfig):
         description="run commands and files through a persistent in-sandbox agent (python3)",
     )
 
-    @field_validator("workdir")
-    @classmethod
-    def _absolute_workdir(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith("/"):
-            raise ValueError(f"workdir must be an absolute path, got {value!r}")
-        return value
+    _absolute_workdir = field_validator("workdir")(absolute_workdir)
 
     @field_validator("memory")
     @classmethod
@@ -1695,7 +1690,7 @@ class DockerRuntime(Runtime):
         request, sink = self._request(["sh", "-c", _REPLACE_SCRIPT, "sh", temp, target])
         code = await self._run(request, sink)
         if code != 0:
-            raise _stderr_error(shown, sink)
+            raise shell_error(shown, sink)
 
     def _put_archive_blocking(self, directory: str, archive: bytes, shown: str) -> bool:
         """Extract ``archive`` into ``directory``; ``False`` if the directory is missing."""
@@ -1816,7 +1811,7 @@ class DockerRuntime(Runtime):
         if code == 27 or sink.overflowed:
             raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
         if code != 0:
-            raise _stderr_error(path, sink)
+            raise shell_error(path, sink)
         return bytes(sink.stdout)
 
     async def _write_by_exec(self, path: str, data: bytes) -> None:
@@ -1827,7 +1822,7 @@ class DockerRuntime(Runtime):
         if code == 20:
             raise SandboxNotADirectoryError(path, "a parent is not a directory")
         if code != 0:
-            raise _stderr_error(path, sink)
+            raise shell_error(path, sink)
 
     # ------------------------------------------------------------------ sweeping
 
@@ -1908,22 +1903,6 @@ async def _close_channel(channel: _Channel, hijacked: _Hijacked) -> None:
     await channel.aclose()
     with contextlib.suppress(Exception):
         hijacked.response.close()
-
-
-def _stderr_error(path: str, sink: OutputSink) -> SandboxError:
-    message = bytes(sink.stderr).decode("utf-8", "replace").strip()
-    lowered = message.lower()
-    for needle, num in (
-        ("no such file", 2),
-        ("directory nonexistent", 2),
-        ("permission denied", 13),
-        ("not a directory", 20),
-        ("is a directory", 21),
-        ("read-only file system", 30),
-    ):
-        if needle in lowered:
-            return error_for_errno(num, path, message or None)
-    return SandboxError(f"operation on {path!r} failed: {message or 'no message'}")
 
 
 __all__ = ["DEFAULT_IMAGE", "DockerConfig", "DockerRuntime"]

@@ -70,7 +70,7 @@ from .channel import (
     ChannelTransport,
     agent_command,
 )
-from .config import RuntimeConfig
+from .config import RuntimeConfig, absolute_workdir
 from .errors import (
     ExecTimeoutError,
     OutputLimitExceededError,
@@ -304,12 +304,7 @@ class ModalConfig(RuntimeConfig):
             data = {**data, "block_network": False}
         return data
 
-    @field_validator("workdir")
-    @classmethod
-    def _absolute_workdir(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith("/"):
-            raise ValueError(f"workdir must be an absolute path, got {value!r}")
-        return value
+    _absolute_workdir = field_validator("workdir")(absolute_workdir)
 
     @field_validator("cidr_allowlist")
     @classmethod

@@ -8,8 +8,9 @@
                 assert (await rt.exec(["true"])).ok
         anyio.run(body)
 
-Docker fixtures (need a reachable engine; the test is skipped when none answers, and
-failed when the image is missing -- images are never pulled):
+Docker fixtures (need a reachable engine; the test is skipped when none answers -- or
+failed, with ``vf_sandbox_require_docker = true`` in the pytest ini options, as this
+project's own suite sets -- and failed when the image is missing; images are never pulled):
 
 * ``docker_runtime_factory(image=..., **fields)`` -- an unstarted :class:`DockerRuntime`
   owning a fresh container; whatever the test left open is closed afterwards.
@@ -22,7 +23,7 @@ failed when the image is missing -- images are never pulled):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 import pytest
@@ -58,18 +59,42 @@ def sandbox_factory() -> Iterator[RuntimeFactory]:
 
 # ---------------------------------------------------------------------- docker
 
+_REQUIRE_DOCKER = "vf_sandbox_require_docker"
+_docker_required = False
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        _REQUIRE_DOCKER,
+        "fail (instead of skip) Docker tests when no engine or SDK is available",
+        type="bool",
+        default=False,
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _docker_required
+    _docker_required = bool(config.getini(_REQUIRE_DOCKER))
+
+
+def _no_docker(reason: str) -> NoReturn:
+    if _docker_required:
+        pytest.fail(f"{reason} ({_REQUIRE_DOCKER} is set: `make test` brings the engine up)")
+    pytest.skip(reason)
+
 
 def _require_docker_image(image: str) -> None:
-    """Skip when no engine answers; fail when the image is missing (never pulled)."""
+    """Skip (or fail, see ``vf_sandbox_require_docker``) when no engine answers; fail when
+    the image is missing (never pulled)."""
     try:
         import docker
         import docker.errors
     except ImportError:
-        pytest.skip("the docker SDK is not installed (pip install 'vf-sandbox[docker]')")
+        _no_docker("the docker SDK is not installed (pip install 'vf-sandbox[docker]')")
     try:
         client = docker.from_env(timeout=10)
     except docker.errors.DockerException as exc:
-        pytest.skip(f"no Docker engine answers: {exc}")
+        _no_docker(f"no Docker engine answers: {exc}")
     try:
         client.images.get(image)
     except docker.errors.ImageNotFound:

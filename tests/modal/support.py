@@ -59,7 +59,7 @@ def _sweep_stale_fake_containers() -> None:
 def fake_service(tmp_path: Path) -> Iterator[FakeModalService]:
     reason = docker_unavailable_reason()
     if reason:
-        pytest.skip(reason)
+        pytest.fail(f"the fake Modal service runs on Docker: {reason} (`make test` starts it)")
     _sweep_stale_fake_containers()
     service = FakeModalService(tmp_path / "fake-modal-state")
     try:

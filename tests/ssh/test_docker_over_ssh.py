@@ -31,7 +31,10 @@ def engine_host(tmp_path: Path, sshd_image: str, monkeypatch: pytest.MonkeyPatch
     """An ``ssh://`` base_url whose remote end can run the docker CLI against this engine."""
     cli = shutil.which("docker")
     if cli is None or not os.path.exists(DOCKER_SOCKET):
-        pytest.skip(f"needs the docker CLI ({DOCKER_CLI}) and {DOCKER_SOCKET} on this host")
+        pytest.fail(
+            f"needs the docker CLI ({DOCKER_CLI}) and {DOCKER_SOCKET} on this host "
+            "(`make test` installs and starts docker.io)"
+        )
     volumes = [(os.path.realpath(cli), DOCKER_CLI, "ro"), (DOCKER_SOCKET, DOCKER_SOCKET, "rw")]
     with SSHServer(tmp_path / "sshd", volumes=volumes) as server:
         home = tmp_path / "home"
