@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import datetime as _dt
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, computed_field
@@ -32,6 +32,7 @@ from .models import ChatClient, ChatReply, Message, ModelEndpoint, Usage
 __all__ = [
     "Budget",
     "BudgetClock",
+    "CommandHook",
     "ErrorKind",
     "Harness",
     "HarnessConfig",
@@ -40,6 +41,7 @@ __all__ = [
     "TraceError",
     "Turn",
     "call_model",
+    "for_policy",
     "task_messages",
 ]
 
@@ -301,6 +303,22 @@ def task_messages(task: str | Sequence[Message], system_prompt: str | None = Non
     return copied
 
 
+CommandHook = Callable[[Runtime, str, ToolResult], Awaitable[None]]
+"""A hook run after each of an agent's commands: ``(runtime, command, result)``."""
+
+
+def for_policy(harness: Harness, runtime: Runtime) -> Harness:
+    """The harness that runs a rollout's policy in ``runtime``: the same, with its commands
+    run as the runtime's :attr:`~runtimes.base.Runtime.policy_user` when the runtime keeps
+    one and the harness has a ``user`` setting left unset (``bash``, installed harnesses).
+    Its installs still run as the sandbox's default user."""
+    user = runtime.policy_user
+    config = harness.config
+    if user is None or getattr(config, "user", None) or "user" not in type(config).model_fields:
+        return harness
+    return type(harness)(config.model_copy(update={"user": user}))
+
+
 class Harness(abc.ABC):
     """Runs one kind of agent. Subclass it, set ``id`` and ``config_model``, implement :meth:`run`.
 
@@ -355,6 +373,16 @@ class Harness(abc.ABC):
                 that needs one.
             ModelConfigError: the endpoint's API key variable is not set.
         """
+
+    def add_command_hook(self, hook: CommandHook) -> bool:
+        """Ask for ``await hook(runtime, command, result)`` after each command the agent
+        runs in the sandbox, before the model sees its result. Returns whether this
+        harness can: one that runs its agent as a single process (an installed agent)
+        cannot, and the default says so (``False``). A hook may raise ``SandboxError``;
+        the run then ends with ``sandbox_error`` on its trace.
+        """
+        del hook
+        return False
 
     def _require_runtime(self, runtime: Runtime | None) -> Runtime:
         if runtime is None:

@@ -7,6 +7,12 @@ truncated to ``max_output_chars`` with a clear marker. A command that times out 
 killed (the runtime kills the whole tree) and the model is told so. The run ends when
 the model replies without tool calls; that reply is the output.
 
+``shell_vars`` are variables each command's shell has but does not export: the
+command can use ``$NAME``, the programs it runs do not inherit it. Hooks registered with
+:meth:`BashHarness.add_command_hook` run after each command, before the model sees its
+result (placement uses one to stop what the command left running and to watch the
+judge's verdict file).
+
 Budgets (turns, tokens, wall time) are checked before each model call; wall time is also
 a hard deadline that cancels a model call or command in flight. A budget hit, a model
 error or a lost sandbox ends the run with the typed reason on ``trace.error``.
@@ -14,13 +20,14 @@ error or a lost sandbox ends the run with the typed reason on ``trace.error``.
 
 from __future__ import annotations
 
+import re
 import time
 import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import anyio
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from runtimes import (
     ExecTimeoutError,
@@ -36,6 +43,7 @@ from runtimes.models import MiB
 from .base import (
     Budget,
     BudgetClock,
+    CommandHook,
     Harness,
     HarnessConfig,
     ToolResult,
@@ -87,7 +95,38 @@ class BashConfig(HarnessConfig):
     )
     cwd: str | None = Field(default=None, description="where commands run (default: workdir)")
     env: dict[str, str] = Field(default_factory=dict)
+    shell_vars: dict[str, str] = Field(
+        default_factory=dict,
+        description="variables set in each command's shell but not exported to its programs",
+    )
     user: str | None = None
+
+    @field_validator("shell_vars")
+    @classmethod
+    def _names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not _SHELL_NAME.fullmatch(name):
+                raise ValueError(f"not a shell variable name: {name!r}")
+        return value
+
+
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class _HookFailed(Exception):
+    """A command hook raised a SandboxError: the run ends with ``sandbox_error``."""
+
+    def __init__(self, cause: SandboxError):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _unexport(names: Sequence[str]) -> str:
+    """A shell prelude that keeps each variable's value but stops exporting it."""
+    if not names:
+        return ""
+    steps = "".join(f"__vf_v=${n}; unset {n}; {n}=$__vf_v; " for n in names)
+    return f"{steps}unset __vf_v\n"
 
 
 def truncate_for_model(text: str, limit: int) -> str:
@@ -110,6 +149,17 @@ class BashHarness(Harness):
         super().__init__(config)
         self.config: BashConfig
         self._shells: weakref.WeakKeyDictionary[Runtime, str] = weakref.WeakKeyDictionary()
+        self._hooks: list[CommandHook] = []
+
+    def add_command_hook(self, hook: CommandHook) -> bool:
+        """Run ``await hook(runtime, command, result)`` after each command (also one that
+        failed, timed out or hit the output cap), before the model sees the result.
+
+        A hook that raises ``SandboxError`` ends the run with ``sandbox_error``.
+        Returns ``True``: this harness runs every command itself.
+        """
+        self._hooks.append(hook)
+        return True
 
     async def setup(self, runtime: Runtime | None) -> None:
         """Find the sandbox's shell (bash, else sh). Idempotent; nothing is installed.
@@ -144,6 +194,9 @@ class BashHarness(Harness):
                     await self._loop(client, sandbox, messages, trace, clock)
                 except (SandboxUnavailableError, SandboxTransportError) as exc:
                     trace.fail("sandbox_error", f"{sandbox.describe()}: {exc}", exc)
+                except _HookFailed as exc:
+                    message = f"{sandbox.describe()}: after a command: {exc.cause}"
+                    trace.fail("sandbox_error", message, exc.cause)
         if scope.cancelled_caught:
             clock.record_time_out()
         return trace.finish()
@@ -182,12 +235,14 @@ class BashHarness(Harness):
         if command is None:
             return result
         started = time.monotonic()
+        env = {**self.config.env, **self.config.shell_vars}
+        script = _unexport(list(self.config.shell_vars)) + command
         try:
             done = await runtime.exec(
-                [shell, "-c", command],
+                [shell, "-c", script],
                 timeout=self.config.per_call_timeout,
                 cwd=self.config.cwd,
-                env=self.config.env or None,
+                env=env or None,
                 user=self.config.user,
                 output_limit=self.config.exec_output_limit,
             )
@@ -211,6 +266,13 @@ class BashHarness(Harness):
             result.exit_code = done.exit_code
             result.output = self._format(f"exit_code: {done.exit_code}", done.stdout, done.stderr)
         result.duration = time.monotonic() - started
+        for hook in self._hooks:
+            try:
+                await hook(runtime, command, result)
+            except (SandboxUnavailableError, SandboxTransportError):
+                raise
+            except SandboxError as exc:
+                raise _HookFailed(exc) from exc
         return result
 
     @staticmethod

@@ -1,27 +1,41 @@
 """Installed harnesses: off-the-shelf agents installed INTO the sandbox and launched there.
 
-Installation (:meth:`InstalledHarness.setup`) is idempotent, version-checked and locked:
+A sandbox may hold whatever a policy left in it, so an installed agent is never trusted
+by its path. Installation (:meth:`InstalledHarness.setup`) is idempotent, verified and
+locked:
 
-1. If ``<install_root>/<package>/<version>/venv`` already has the pinned version, nothing
-   happens (one short exec: the fast path of every later run).
-2. Otherwise the host prepares a **wheelhouse** for the sandbox's interpreter and
-   platform (``pip download --only-binary=:all: --python-version X.Y --platform
+1. This host process remembers, per sandbox (runtime object) and set of pinned
+   requirements, the venv it installed and a **tree digest** of it, computed right after
+   the install by the sandbox's ``python -I -S`` (not the venv's) from ``lstat`` of every
+   entry: type, mode, owner, size, inode, mtime, ctime and link targets (a changed or
+   replaced file changes its ctime or inode). A later setup recomputes the digest and
+   reuses the venv only if it matches; otherwise, or when this process never installed
+   one there, it installs afresh. A venv found at some path is never reused.
+2. A fresh install goes to an **unpredictable** directory,
+   ``<install_root>/<package>/<version>-<hash>-<random>/`` created with mode 0755 by the
+   sandbox's default user (root where the sandbox runs as root), never one that existed:
+   readable by a policy account that runs the agent (``user``), writable by nobody else.
+3. The host prepares a **wheelhouse** for the sandbox's interpreter and platform
+   (``pip download --only-binary=:all: --python-version X.Y --platform
    manylinux_2_N_<arch>``), cached under ``~/.cache/vf-sandbox/wheelhouses/`` (or
-   ``VF_SANDBOX_CACHE``), or uses the one the config names (fully offline).
-3. The wheelhouse is uploaded (``runtime.upload``) into a content-named directory in the
-   sandbox, atomically (a temporary directory renamed into place), unless it is there.
-4. Under ``flock`` on ``<install_root>/<package>/install.lock`` inside the sandbox, the
-   version is checked again and, only if still missing, a venv is created and the
-   package installed with ``pip install --no-index --find-links``; each real install
-   appends a line to ``install.log`` there. Concurrent setups, from this process or
-   others, install once.
+   ``VF_SANDBOX_CACHE``), or uses the one the config names (fully offline), and uploads
+   it into that fresh directory (never reusing a wheelhouse found in the sandbox).
+4. Under ``flock`` on ``<install_root>/<package>/install.lock`` inside the sandbox, a
+   venv is created and the package installed with ``pip install --no-index
+   --find-links``; each install appends a line to ``install.log`` there. Concurrent
+   setups from this process install once (a host-side lock per sandbox and requirements).
 
 A run starts a :class:`~harnesses.proxy.ModelProxy` reachable from the sandbox
 (:func:`~harnesses.proxy.route_to_host`), registers the run with a fresh secret, and
-launches the agent with the proxy's URL and the secret as its OpenAI settings. Every
+launches the agent with the proxy's URL and the secret as its OpenAI settings (and
+``PYTHONDONTWRITEBYTECODE=1``, so running it does not change its tree). Every
 model call lands on the trace; when the proxy refuses a turn for budget, the harness
 stops the agent at once (the runtime kills its process tree) instead of waiting for the
 agent's own retries. Wall time is a hard deadline on the agent process.
+
+What the digest cannot cover: the sandbox's own interpreter and system libraries the
+venv runs on, and the tools the check runs. An unprivileged policy cannot alter those;
+a root policy could.
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ import re
 import secrets
 import sys
 import tempfile
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,38 +84,57 @@ log = logging.getLogger("harnesses.installed")
 
 _BUDGET_POLL = 0.2
 
+_MAKE_BASE = r"""
+set -eu
+root=$1 dir=$2 base=$3
+for d in "$root" "$dir"; do
+  if [ -L "$d" ]; then echo "vf-install: refusing a symlink at $d" >&2; exit 92; fi
+done
+mkdir -p "$dir"
+mkdir -m 0755 "$base"
+"""
+
 _INSTALL_SCRIPT = r"""
 set -eu
-dir=$1 venv=$2 wheels=$3 pkg=$4 ver=$5 py=$6 wait=$7
-shift 7
+dir=$1 base=$2 venv=$3 wheels=$4 py=$5 wait=$6
+shift 6
 req="$*"
-mkdir -p "$dir"
+trap 'st=$?; rm -rf "$wheels"; [ "$st" -eq 0 ] || rm -rf "$base"' EXIT
 if ! command -v flock >/dev/null 2>&1; then
   echo "vf-install: flock is missing in the sandbox" >&2; exit 90
 fi
-exec 9>"$dir/install.lock"
+exec 9>>"$dir/install.lock"
 if ! flock -w "$wait" 9; then
   echo "vf-install: timed out waiting for $dir/install.lock" >&2; exit 91
 fi
-check='import importlib.metadata as m, sys; sys.exit(m.version(sys.argv[1]) != sys.argv[2])'
-if "$venv/bin/python" -c "$check" "$pkg" "$ver" 2>/dev/null; then
-  echo "vf-install: $req already installed"; exit 0
-fi
-rm -rf "$venv"
 "$py" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   --no-index --find-links "$wheels" "$@"
-echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) installed $req pid=$$" >> "$dir/install.log"
+echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) installed $req into $venv pid=$$" >> "$dir/install.log"
 echo "vf-install: installed $req"
 """
 
-_PLACE_WHEELHOUSE = r"""
-set -eu
-tmp=$1 dest=$2
-touch "$tmp/.complete"
-mkdir -p "$(dirname "$dest")"
-if ! mv -T "$tmp" "$dest" 2>/dev/null; then rm -rf "$tmp"; fi
-test -f "$dest/.complete"
+# The venv's tree digest, computed by the sandbox's interpreter in isolated mode (no
+# site, no user path) from ``lstat`` alone: every path with its type, mode, owner, size,
+# inode, mtime and ctime, and link targets (never followed). Changing or replacing a file
+# changes its ctime or inode, which no unprivileged process can set back; reading
+# nothing keeps the check fast on a large venv.
+_TREE_DIGEST = r"""
+import hashlib, os, stat, sys
+digest = hashlib.sha256()
+def walk(path, rel):
+    st = os.lstat(path)
+    fields = (rel, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_ino, st.st_mtime_ns,
+              st.st_ctime_ns)
+    digest.update(repr(fields).encode("utf-8", "surrogateescape"))
+    if stat.S_ISLNK(st.st_mode):
+        digest.update(os.fsencode(os.readlink(path)))
+    elif stat.S_ISDIR(st.st_mode):
+        for name in sorted(os.listdir(path)):
+            walk(os.path.join(path, name), rel + "/" + name)
+    digest.update(b"\n")
+walk(sys.argv[1], ".")
+print(digest.hexdigest())
 """
 
 _VERSION_CHECK = (
@@ -140,6 +174,11 @@ class InstalledConfig(HarnessConfig):
     proxy_bind_host: str | None = None
     cwd: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
+    user: str | None = Field(
+        default=None,
+        description="the sandbox user the agent runs as (a rollout's policy: the sandbox's "
+        "policy_user); installs always run as the sandbox's default user",
+    )
     output_limit: int = Field(default=16 * 1024 * 1024, gt=0)
 
 
@@ -218,19 +257,6 @@ def _place_directory(staging: Path, final: Path) -> None:
             raise
 
 
-def _directory_fingerprint(directory: Path) -> str:
-    """A short digest of a directory's file names, sizes and modification times: a
-    wheelhouse that gains or changes a wheel gets a new name in the sandbox."""
-    digest = hashlib.sha256()
-    for entry in sorted(directory.rglob("*")):
-        if entry.is_file():
-            stat = entry.stat()
-            digest.update(
-                f"{entry.relative_to(directory)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode()
-            )
-    return digest.hexdigest()[:16]
-
-
 def _remove_tree(path: Path) -> None:
     import shutil
 
@@ -252,6 +278,26 @@ class AgentLaunch:
     cwd: str | None = None
 
 
+@dataclass(frozen=True)
+class _Install:
+    """A venv this host process installed in one sandbox, and its tree digest then."""
+
+    venv: str
+    digest: str
+
+
+# Per sandbox (the runtime object, held weakly): install key -> what this process installed.
+_INSTALLS: weakref.WeakKeyDictionary[Runtime, dict[str, _Install]] = weakref.WeakKeyDictionary()
+_LOCKS: weakref.WeakKeyDictionary[Runtime, dict[str, anyio.Lock]] = weakref.WeakKeyDictionary()
+
+
+def _install_lock(runtime: Runtime, key: str) -> anyio.Lock:
+    locks = _LOCKS.setdefault(runtime, {})
+    if key not in locks:
+        locks[key] = anyio.Lock()
+    return locks[key]
+
+
 class InstalledHarness(Harness):
     """Base of agents installed into the sandbox from a wheelhouse. See the module doc.
 
@@ -265,6 +311,7 @@ class InstalledHarness(Harness):
     def __init__(self, config: HarnessConfig | None = None):
         super().__init__(config)
         self.config: InstalledConfig
+        self._venv: str | None = None
 
     # ------------------------------------------------------------------ paths
 
@@ -282,9 +329,20 @@ class InstalledHarness(Harness):
         return f"{self.config.install_root}/{self.package}"
 
     @property
+    def install_key(self) -> str:
+        """What identifies one install: the pinned requirements, root and interpreter."""
+        return "\n".join([self.config.install_root, self.config.python, *self.requirements])
+
+    @property
     def venv(self) -> str:
-        digest = hashlib.sha256("\n".join(self.requirements).encode()).hexdigest()[:8]
-        return f"{self.agent_dir}/{self.config.version}-{digest}/venv"
+        """The venv this harness last installed or verified (set by :meth:`setup`).
+
+        Raises:
+            HarnessConfigError: no venv was set up yet.
+        """
+        if self._venv is None:
+            raise HarnessConfigError(f"{self.requirement} is not set up: call setup() first")
+        return self._venv
 
     def venv_bin(self, program: str) -> str:
         return f"{self.venv}/bin/{program}"
@@ -292,21 +350,25 @@ class InstalledHarness(Harness):
     # ------------------------------------------------------------------ install
 
     async def installed_version(self, runtime: Runtime) -> str | None:
-        """The agent's version in the sandbox's venv, or ``None`` if it is not installed.
+        """The agent's version in the venv this process installed in ``runtime``, if that
+        venv is still exactly as installed (tree digest); else ``None``.
 
         Raises:
             SandboxError: the sandbox failed (typed, from :mod:`runtimes.errors`).
         """
-        python = self.venv_bin("python")
-        if not await runtime.exists(python):
+        known = await self._verified(runtime)
+        if known is None:
             return None
-        probe = await runtime.exec([python, "-c", _VERSION_CHECK, self.package], timeout=60)
+        probe = await runtime.exec(
+            [f"{known.venv}/bin/python", "-c", _VERSION_CHECK, self.package], timeout=60
+        )
         return probe.stdout.strip() if probe.exit_code == 0 else None
 
     async def setup(self, runtime: Runtime | None) -> None:
-        """Install the agent into ``runtime`` unless the pinned version is there.
+        """Install the agent into ``runtime`` unless this process installed it there and
+        its tree is unchanged. See the module doc.
 
-        Idempotent; concurrent calls on one sandbox install once (``flock`` inside).
+        Idempotent; concurrent calls on one sandbox from this process install once.
 
         Raises:
             HarnessConfigError: ``runtime`` is ``None``.
@@ -314,14 +376,53 @@ class InstalledHarness(Harness):
             SandboxError: the sandbox failed (typed, from :mod:`runtimes.errors`).
         """
         sandbox = self._require_runtime(runtime)
-        if await self.installed_version(sandbox) == self.config.version:
-            return
-        remote_wheels = await self._upload_wheelhouse(sandbox)
-        argv = ["sh", "-c", _INSTALL_SCRIPT, "vf-install", self.agent_dir, self.venv]
-        argv += [remote_wheels, self.package, self.config.version, self.config.python]
-        argv += [str(int(self.config.lock_timeout)), *self.requirements]
+        async with _install_lock(sandbox, self.install_key):
+            known = await self._verified(sandbox)
+            if known is None:
+                known = await self._install(sandbox)
+                _INSTALLS.setdefault(sandbox, {})[self.install_key] = known
+            self._venv = known.venv
+
+    async def _verified(self, runtime: Runtime) -> _Install | None:
+        """The install this process made in ``runtime``, if its tree digest still matches."""
+        known = _INSTALLS.get(runtime, {}).get(self.install_key)
+        if known is None:
+            return None
+        digest = await self._tree_digest(runtime, known.venv)
+        if digest == known.digest:
+            return known
+        log.warning(
+            "%s: %s at %s changed since it was installed; installing afresh",
+            runtime.describe(),
+            self.requirement,
+            known.venv,
+        )
+        _INSTALLS.get(runtime, {}).pop(self.install_key, None)
+        return None
+
+    async def _tree_digest(self, runtime: Runtime, venv: str) -> str | None:
+        probe = await runtime.exec(
+            [self.config.python, "-I", "-S", "-c", _TREE_DIGEST, venv], timeout=600
+        )
+        digest = probe.stdout.strip()
+        if probe.exit_code != 0 or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            return None
+        return digest
+
+    async def _install(self, runtime: Runtime) -> _Install:
+        tag = hashlib.sha256("\n".join(self.requirements).encode()).hexdigest()[:8]
+        base = f"{self.agent_dir}/{self.config.version}-{tag}-{secrets.token_hex(8)}"
+        venv = f"{base}/venv"
+        made = await runtime.exec(
+            ["sh", "-c", _MAKE_BASE, "vf-install", self.config.install_root, self.agent_dir, base]
+        )
+        if made.exit_code != 0:
+            raise HarnessInstallError(f"cannot create {base}: {_tail(made.stderr)}")
+        wheels = await self._upload_wheelhouse(runtime, f"{base}/wheelhouse")
+        argv = ["sh", "-c", _INSTALL_SCRIPT, "vf-install", self.agent_dir, base, venv, wheels]
+        argv += [self.config.python, str(int(self.config.lock_timeout)), *self.requirements]
         try:
-            result = await sandbox.exec(argv, timeout=self.config.install_timeout)
+            result = await runtime.exec(argv, timeout=self.config.install_timeout)
         except ExecTimeoutError as exc:
             raise HarnessInstallError(
                 f"installing {self.requirement} took longer than {self.config.install_timeout}s: "
@@ -329,10 +430,16 @@ class InstalledHarness(Harness):
             ) from exc
         if result.exit_code != 0:
             raise HarnessInstallError(
-                f"installing {self.requirement} into {sandbox.describe()} failed "
+                f"installing {self.requirement} into {runtime.describe()} failed "
                 f"(exit {result.exit_code}): {_tail(result.stderr or result.stdout)}"
             )
-        log.info("%s: %s", sandbox.describe(), result.stdout.strip())
+        digest = await self._tree_digest(runtime, venv)
+        if digest is None:
+            raise HarnessInstallError(
+                f"cannot compute the tree digest of {venv} with {self.config.python!r}"
+            )
+        log.info("%s: %s", runtime.describe(), result.stdout.strip())
+        return _Install(venv, digest)
 
     async def sandbox_python(self, runtime: Runtime) -> SandboxPython:
         """The sandbox interpreter's version, machine and glibc.
@@ -357,28 +464,17 @@ class InstalledHarness(Harness):
             )
         return SandboxPython(*fields)
 
-    async def _upload_wheelhouse(self, runtime: Runtime) -> str:
+    async def _upload_wheelhouse(self, runtime: Runtime, remote: str) -> str:
+        """Upload the wheelhouse to ``remote`` (inside the fresh install directory)."""
         if self.config.wheelhouse is not None:
             given = anyio.Path(self.config.wheelhouse)
             if not await given.is_dir():
                 raise HarnessInstallError(f"wheelhouse {given} is not a directory")
             local = Path(await given.resolve())
-            fingerprint = await anyio.to_thread.run_sync(_directory_fingerprint, local)
-            key = f"given-{fingerprint}"
         else:
             target = await self.sandbox_python(runtime)
             local = await prepare_wheelhouse(self.requirements, target)
-            key = local.name
-        remote = f"{self.config.install_root}/wheelhouses/{key}"
-        if await runtime.exists(f"{remote}/.complete"):
-            return remote
-        staging = f"{remote}.tmp-{secrets.token_hex(6)}"
-        await runtime.upload(local, staging)
-        placed = await runtime.exec(["sh", "-c", _PLACE_WHEELHOUSE, "vf-place", staging, remote])
-        if placed.exit_code != 0:
-            raise HarnessInstallError(
-                f"could not place the wheelhouse at {remote}: {_tail(placed.stderr)}"
-            )
+        await runtime.upload(local, remote)
         return remote
 
     # ------------------------------------------------------------------ run
@@ -453,6 +549,8 @@ class InstalledHarness(Harness):
     ) -> None:
         run_dir = f"{self.agent_dir}/runs/{secrets.token_hex(8)}"
         made = await runtime.exec(["mkdir", "-p", run_dir])
+        if made.exit_code == 0 and self.config.user is not None:
+            made = await runtime.exec(["chown", "--", f"{self.config.user}:", run_dir])
         if made.exit_code != 0:
             raise HarnessInstallError(f"cannot create the run directory {run_dir}: {made.stderr}")
         with proxy.open_run(model, trace, budget) as proxy_run:
@@ -486,8 +584,13 @@ class InstalledHarness(Harness):
                     outcome.append(
                         await runtime.exec(
                             launch.argv,
-                            env={**launch.env, **self.config.env},
+                            env={
+                                "PYTHONDONTWRITEBYTECODE": "1",
+                                **launch.env,
+                                **self.config.env,
+                            },
                             cwd=launch.cwd or self.config.cwd,
+                            user=self.config.user,
                             output_limit=self.config.output_limit,
                         )
                     )

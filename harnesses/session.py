@@ -67,7 +67,7 @@ from runtimes import (
     resolve_runtime_config,
 )
 
-from .base import Budget, Harness, HarnessConfig, Trace
+from .base import Budget, Harness, HarnessConfig, Trace, for_policy
 from .errors import (
     SessionAgentFailed,
     SessionClosedError,
@@ -300,6 +300,8 @@ class AgentSession:
         )
         self._endpoint._secret = self._proxy_run.secret
         self._runtime: Runtime | None = None
+        self._harness: Harness | None = None
+        """The harness this rollout runs: the factory's, as the sandbox's policy user."""
         self._trace: Trace | None = None
         self._delivered: list[_Delivered] = []
         self._failure: SessionError | None = None
@@ -585,7 +587,8 @@ class AgentSession:
                 self._runtime = runtime
                 if self._options.prepare is not None:
                     await self._options.prepare(runtime, self.task)
-                await self._options.harness.setup(runtime)
+                self._harness = for_policy(self._options.harness, runtime)
+                await self._harness.setup(runtime)
         except TimeoutError as exc:
             raise SessionStartError(
                 f"starting the sandbox and harness took longer than {limit}s: {exc}",
@@ -597,7 +600,7 @@ class AgentSession:
             ) from exc
 
     async def _run_agent(self, runtime: Runtime) -> None:
-        harness = self._options.harness
+        harness = self._harness or self._options.harness
         with anyio.CancelScope() as scope:
             self._agent_scope = scope
             if self._closed or self._failure is not None:

@@ -8,6 +8,11 @@ down, and records a failure onto the run's own trace before raising.
 live sandbox, runs rollout-placed judges there one after another and clean-room judges
 concurrently in fresh sandboxes of their own, and fails the rollout with
 :class:`~placement.errors.JudgingFailed` when any judge fails.
+
+A file-verdict judge's verdict is watched by a :class:`~placement.guard.VerdictGuard`:
+processes are stopped before each rollout-placed judge, after each of its commands (for
+harnesses that run commands one by one) and before its verdict is read; the verdict must
+be a regular file last changed by a command of the judge's that names it.
 """
 
 from __future__ import annotations
@@ -23,21 +28,13 @@ from typing import Any, Literal
 import anyio
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
-from harnesses.base import HarnessConfig, Trace
+from harnesses.base import HarnessConfig, Trace, for_policy
 from harnesses.models import ModelEndpoint, ModelTable
 from harnesses.null import parse_reply_json
 from harnesses.registry import load_harness_class, open_harness, resolve_harness_config
 from runtimes import (
-    OutputLimitExceededError,
     Runtime,
     SandboxError,
-    SandboxFileNotFoundError,
-    SandboxInvalidArgumentError,
-    SandboxIsADirectoryError,
-    SandboxNotADirectoryError,
-    SandboxPermissionError,
-    SandboxTransportError,
-    SandboxUnavailableError,
     open_runtime,
 )
 
@@ -51,8 +48,8 @@ from .errors import (
     JudgingFailed,
     PlacementConfigError,
     VerdictInvalid,
-    VerdictMissing,
 )
+from .guard import VerdictGuard
 from .inputs import VERDICT_FILE, Snapshot, materialise, new_agent_id
 from .specs import AgentSpec, JudgeSpec
 
@@ -113,8 +110,10 @@ def render_prompt(spec: JudgeSpec, snapshot: Snapshot, inputs_dir: str | None) -
             f"{body}\n\nYour inputs are in {inputs_dir}/: task.json (the task), transcript.md "
             f"(the policy's run, readable) and trace.json (the same, as data). The policy's "
             f"work is in the current directory. When you have decided, write your verdict as "
-            f"JSON to {verdict_path} (also given as $VF_AGENT_VERDICT in your commands' "
-            f"environment), matching this JSON schema:\n{schema}"
+            f"JSON to {verdict_path} (also $VF_AGENT_VERDICT in your commands), matching this "
+            f"JSON schema:\n{schema}\nWrite it with a command that names it, after running "
+            f"any program you judge: a change to it made by a command that does not name it "
+            f"is refused as tampering. Nothing you start outlives its command."
         )
     return (
         f"{body}\n\n## Task\n{values['task']}\n\n## Transcript\n{values['transcript']}\n\n"
@@ -137,13 +136,17 @@ async def run_agent(
 
     For a :class:`JudgeSpec`, ``snapshot`` is required and the verdict is collected and
     validated; a failure is recorded on the run (``error``) and on its trace
-    (``trace.metadata["failure"]``), then raised.
+    (``trace.metadata["failure"]``), then raised. With ``role="policy"`` the agent's
+    commands run as the runtime's ``policy_user`` where it keeps one
+    (:func:`harnesses.base.for_policy`).
 
     Raises:
         PlacementConfigError: rollout placement without a runtime for a harness that
             needs one; a judge without a snapshot.
         VerdictMissing / VerdictInvalid / JudgeSandboxLost / JudgeBudgetExceeded /
             JudgeModelFailed: the judge failed, for that cause.
+        JudgeInputsTampered: the inputs dir was planted, or the verdict was changed by
+            something other than the judge's own commands, or is a link it did not make.
         SandboxError / ProvisioningError: an agent's (non-judge) sandbox failed.
     """
     judge = spec if isinstance(spec, JudgeSpec) else None
@@ -174,10 +177,19 @@ async def run_agent(
             if needs_runtime and clean_room is not None:
                 target = await stack.enter_async_context(open_runtime(clean_room))
             inputs_dir = None
+            if judge is not None and target is not None and clean_room is None:
+                await target.stop_processes()  # nothing the policy or a judge left is alive
             if target is not None and snapshot is not None:
                 inputs_dir = await materialise(target, agent_id, snapshot)
                 stack.push_async_callback(_remove_inputs, target, inputs_dir)
             harness = open_harness(_with_input_env(harness_config, inputs_dir))
+            if role == "policy" and target is not None:
+                harness = for_policy(harness, target)
+            guard = None
+            if judge is not None and target is not None and inputs_dir is not None:
+                guard = VerdictGuard(target, inputs_dir, spec.name, judge.verdict_max_bytes)
+                await guard.start()
+                harness.add_command_hook(guard.after_command)
             if target is not None:
                 await harness.setup(target)
             prompt: str | Sequence[dict[str, Any]] = task
@@ -188,7 +200,7 @@ async def run_agent(
                 prompt, runtime=target, model=endpoint, budget=spec.budget
             )
             if judge is not None:
-                run.verdict = await _collect_verdict(judge, run.trace, target, inputs_dir)
+                run.verdict = await _collect_verdict(judge, run.trace, guard)
     except JudgeError as exc:
         _record_failure(run, exc)
         raise
@@ -215,12 +227,18 @@ VERDICT_ENV = "VF_AGENT_VERDICT"
 
 
 def _with_input_env(config: HarnessConfig, inputs_dir: str | None) -> HarnessConfig:
-    """Tell a tools harness where its inputs are, through its commands' environment."""
-    if inputs_dir is None or "env" not in type(config).model_fields:
+    """Tell a tools harness where its inputs are: as shell variables its commands have
+    but the programs they run do not inherit (``shell_vars``, the ``bash`` harness), or
+    else through its commands' environment (``env``, installed agents)."""
+    fields = type(config).model_fields
+    if inputs_dir is None:
         return config
-    env = dict(getattr(config, "env", {}) or {})
-    env.update({INPUTS_ENV: inputs_dir, VERDICT_ENV: f"{inputs_dir}/{VERDICT_FILE}"})
-    return config.model_copy(update={"env": env})
+    values = {INPUTS_ENV: inputs_dir, VERDICT_ENV: f"{inputs_dir}/{VERDICT_FILE}"}
+    for field in ("shell_vars", "env"):
+        if field in fields:
+            merged = {**(getattr(config, field, {}) or {}), **values}
+            return config.model_copy(update={field: merged})
+    return config
 
 
 async def _remove_inputs(runtime: Runtime, inputs_dir: str) -> None:
@@ -240,7 +258,7 @@ def _record_failure(run: AgentRun, exc: JudgeError) -> None:
 
 
 async def _collect_verdict(
-    spec: JudgeSpec, trace: Trace, runtime: Runtime | None, inputs_dir: str | None
+    spec: JudgeSpec, trace: Trace, guard: VerdictGuard | None
 ) -> dict[str, Any]:
     if trace.error is not None:
         kind, message = trace.error.kind, trace.error.message
@@ -260,27 +278,9 @@ async def _collect_verdict(
         except ValueError as exc:
             raise VerdictInvalid(spec.name, str(exc), trace) from exc
         return _validate(spec, data, trace)
-    assert runtime is not None and inputs_dir is not None
-    path = f"{inputs_dir}/{VERDICT_FILE}"
-    try:
-        raw = await runtime.read(path, max_bytes=spec.verdict_max_bytes)
-    except SandboxFileNotFoundError as exc:
-        raise VerdictMissing(spec.name, f"no verdict was written to {path}", trace) from exc
-    except OutputLimitExceededError as exc:
-        raise VerdictInvalid(
-            spec.name, f"{path} is larger than {spec.verdict_max_bytes} bytes", trace
-        ) from exc
-    except (SandboxUnavailableError, SandboxTransportError) as exc:
-        raise JudgeSandboxLost(spec.name, f"sandbox lost reading {path}: {exc}", trace) from exc
-    except (
-        SandboxIsADirectoryError,
-        SandboxNotADirectoryError,
-        SandboxPermissionError,
-        SandboxInvalidArgumentError,
-    ) as exc:
-        raise VerdictInvalid(
-            spec.name, f"{path} is not a readable regular file: {exc}", trace
-        ) from exc
+    assert guard is not None
+    raw = await guard.collect(trace)
+    path = guard.path
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

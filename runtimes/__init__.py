@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .base import Runtime, live_runtimes
 from .config import RuntimeConfig, RuntimeConfigError
 from .errors import (
+    ChannelTamperedError,
     ExecTimeoutError,
     OutputLimitExceededError,
     ProvisioningError,
@@ -23,6 +24,7 @@ from .errors import (
     SandboxPermissionError,
     SandboxTransportError,
     SandboxUnavailableError,
+    UnsafeArchiveMemberError,
 )
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
 from .registry import (
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from .cleanup import cleanup_sandboxes
 
 __all__ = [
+    "ChannelTamperedError",
     "ExecRequest",
     "ExecResult",
     "ExecTimeoutError",
@@ -63,6 +66,7 @@ __all__ = [
     "SubprocessConfig",
     "SubprocessRuntime",
     "UnknownRuntimeError",
+    "UnsafeArchiveMemberError",
     "available_runtimes",
     "cleanup_sandboxes",
     "live_runtimes",

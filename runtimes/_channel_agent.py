@@ -4,10 +4,16 @@ Standard library only, Python >= 3.8, one file: the host sends this source throu
 stream it just opened (see ``BOOTSTRAP`` in :mod:`runtimes.channel`), so nothing is installed
 and nothing costs a round trip per request. It never imports anything from ``runtimes``.
 
-Framing, both directions: ``type (u8) | request id (u32) | length (u32) | payload``, integers
-big-endian. Everything is binary: data (stdin, file contents, output) travels raw, and request
-headers are fixed fields plus ``text`` strings (``u32`` length + UTF-8 with surrogateescape),
-so no payload byte is ever escaped. Requests are multiplexed: each runs in its own worker
+Framing, both directions: ``type (u8) | request id (u32) | length (u32) | payload | tag``,
+integers big-endian; ``tag`` is HMAC-SHA256 (truncated to 16 bytes) under the per-start key
+over the direction's frame sequence number (u64), the header and the payload. The key comes
+over stdin right after the source (the bootstrap made the process non-dumpable first, and says
+``ready``): it never appears in argv, the environment or a file. A frame from the host that
+fails authentication makes the agent say ``ALERT`` and exit; see ``docs/channel.md``.
+
+Everything is binary: data (stdin, file contents, output) travels raw, and request headers are
+fixed fields plus ``text`` strings (``u32`` length + UTF-8 with surrogateescape), so no payload
+byte is ever escaped. Requests are multiplexed: each runs in its own worker
 thread, so a slow command or a blocked pipe never stalls the others, and the main thread only
 reads frames and hands them out (and spawns commands, so they start at once).
 
@@ -30,7 +36,10 @@ Requests (host -> agent):
 * ``STAT`` (``text path``): ``DONE`` with one byte, 1 if something is there (``lstat``: a
   dangling link exists). ``REMOVE`` (``text path``): a file, a link or a tree, then ``DONE``.
 
-``HELLO`` (request id 0, first frame): ``u32 version, pid, sid, uid, gid | text python``.
+``HELLO`` (request id 0, first frame): ``u32 version, pid, sid, uid, gid, flags | text python
+| text executable`` (flags: 1 non-dumpable). ``DIGEST`` (request id 0, when the host asked at
+the first start): sha256 of the interpreter, of every module loaded and of
+``/etc/ld.so.preload`` (zeros: absent), for the host to verify before a restart.
 ``ERROR``: ``i32 errno | text what | text message``; ``what`` is ``prog``, ``cwd``, ``user``,
 ``path``, ``limit``, ``special`` (a FIFO or a socket where a file is expected: refused, never
 waited on), ``internal`` (an unexpected failure, message attached) or ``unsupported`` (the
@@ -44,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import os
 import queue
 import select
@@ -60,19 +70,29 @@ if TYPE_CHECKING:  # typing and json import re: milliseconds of start-up for not
     from collections.abc import Callable
     from typing import Any
 
-VERSION = 1
+VERSION = 2
 
 HEADER = struct.Struct(">BII")
+SEQ = struct.Struct(">Q")
+TAG = 16
+"""Bytes of HMAC-SHA256 (truncated) after every frame's payload, both directions."""
+KEY = 32
+"""Bytes of the per-start key the host sends right after the bootstrap read the source."""
 U8 = struct.Struct(">B")
 U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
 I32 = struct.Struct(">i")
-HELLO_FIELDS = struct.Struct(">IIIII")
+HELLO_FIELDS = struct.Struct(">IIIIII")
+NON_DUMPABLE = 1
+"""HELLO flag: the agent made itself non-dumpable (no /proc/<pid>/fd, no ptrace)."""
 
 # host -> agent
 EXEC, DATA, EOF, KILL, READ, WRITE, STAT, REMOVE = 1, 2, 3, 4, 5, 6, 7, 8
 # agent -> host
 HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, CHUNK, DONE, ACK = 64, 65, 66, 67, 68, 69, 70, 71, 72
+ALERT, DIGEST = 73, 74
+"""Request id 0: ALERT (text reason): the agent received a frame that failed authentication
+and exits; DIGEST (text path, 32-byte sha256, repeated): the files the agent runs from."""
 
 READ_CHUNK = 256 * 1024
 PIPE_CHUNK = 64 * 1024
@@ -96,20 +116,41 @@ class Refused(Exception):
         self.message = message or os.strerror(num)
 
 
-class Output:
-    """The agent's stdout: whole frames, one writer at a time."""
+def mac(key: bytes, seq: int, header: bytes, payload: bytes) -> bytes:
+    """A frame's tag: HMAC-SHA256 over the direction's sequence number, the header and the
+    payload, truncated to TAG bytes. The sequence number makes a frame valid only at its
+    place in the stream: nothing can be replayed, dropped or reordered unnoticed."""
+    if len(payload) < 65536:
+        return hmac.digest(key, SEQ.pack(seq) + header + payload, "sha256")[:TAG]
+    digest = hmac.new(key, SEQ.pack(seq) + header, "sha256")
+    digest.update(payload)
+    return digest.digest()[:TAG]
 
-    def __init__(self, fd: int) -> None:
+
+class Output:
+    """The agent's stdout: whole authenticated frames, one writer at a time."""
+
+    def __init__(self, fd: int, key: bytes) -> None:
         self._fd = fd
+        self._key = key
+        self._seq = 0
         self._lock = threading.Lock()
         self.broken = False
 
+    def _frame(self, kind: int, rid: int, payload: bytes) -> bytes:
+        header = HEADER.pack(kind, rid, len(payload))
+        tag = mac(self._key, self._seq, header, payload)
+        self._seq += 1
+        return header + payload + tag
+
     def send(self, kind: int, rid: int, payload: bytes = b"", before: bytes = b"") -> None:
-        """One frame, preceded in the same write by ``before`` (whole frames, or nothing)."""
-        data = before + HEADER.pack(kind, rid, len(payload)) + payload
+        """One frame, preceded in the same write by a STARTED frame of the same request
+        carrying ``before`` (when not empty)."""
         with self._lock:
             if self.broken:
                 return
+            data = self._frame(STARTED, rid, before) if before else b""
+            data += self._frame(kind, rid, payload)
             view = memoryview(data)
             try:
                 while view:
@@ -219,9 +260,11 @@ class Workers:
 
 
 class Agent:
-    def __init__(self, in_fd: int, out_fd: int) -> None:
+    def __init__(self, in_fd: int, out_fd: int, key: bytes, flags: int = 0) -> None:
         self.in_fd = in_fd
-        self.out = Output(out_fd)
+        self.key = key
+        self.flags = flags
+        self.out = Output(out_fd, key)
         self.workers = Workers()
         self.requests: dict[int, Any] = {}
         self.lock = threading.Lock()
@@ -232,6 +275,8 @@ class Agent:
     def serve(self) -> None:
         self.out.send(HELLO, 0, self.hello())
         buf = bytearray()
+        seq = 0
+        key = self.key
         while True:
             try:
                 data = os.read(self.in_fd, INPUT_CHUNK)
@@ -247,20 +292,31 @@ class Agent:
             while size_buf - pos >= HEADER.size:
                 kind, rid, size = HEADER.unpack_from(buf, pos)
                 end = pos + HEADER.size + size
-                if end > size_buf:
+                if end + TAG > size_buf:
                     break
+                payload = bytes(buf[pos + HEADER.size : end])
+                expected = mac(key, seq, bytes(buf[pos : pos + HEADER.size]), payload)
+                if not hmac.compare_digest(expected, bytes(buf[end : end + TAG])):
+                    # Someone else writes to this stream: nothing it says may be obeyed,
+                    # and nothing more may be trusted. Say so (authenticated), then stop.
+                    self.out.send(ALERT, 0, text(f"a forged frame (type {kind}) at #{seq}"))
+                    self.shutdown()
+                seq += 1
                 try:
-                    self.dispatch(kind, rid, bytes(buf[pos + HEADER.size : end]))
+                    self.dispatch(kind, rid, payload)
                 except Exception as exc:  # noqa: BLE001 - one bad request must not end the agent
                     self.finish(rid)
                     self.out.error(rid, 0, "internal", f"{type(exc).__name__}: {exc}")
-                pos = end
+                pos = end + TAG
             del buf[:pos]
         self.shutdown()
 
     def hello(self) -> bytes:
-        ids = HELLO_FIELDS.pack(VERSION, os.getpid(), os.getsid(0), os.geteuid(), os.getegid())
-        return ids + text(".".join(str(n) for n in sys.version_info[:3]))
+        ids = HELLO_FIELDS.pack(
+            VERSION, os.getpid(), os.getsid(0), os.geteuid(), os.getegid(), self.flags
+        )
+        python = ".".join(str(n) for n in sys.version_info[:3])
+        return ids + text(python) + text(os.path.realpath(sys.executable))
 
     def dispatch(self, kind: int, rid: int, payload: bytes) -> None:
         if kind in (DATA, EOF, KILL):
@@ -397,7 +453,7 @@ class Exec:
             killed = self.killed
         if killed:
             kill_group(proc.pid)
-        self.pending_start = HEADER.pack(STARTED, self.rid, 4) + U32.pack(proc.pid)
+        self.pending_start = U32.pack(proc.pid)
         return True
 
     def run(self) -> None:
@@ -507,7 +563,7 @@ class Exec:
             if not events and give_up is not None:
                 break  # killed, and something outside the group still holds a pipe
             if not events and self.pending_start:
-                out.send(STARTED, self.rid, self.take_start()[HEADER.size :])
+                out.send(STARTED, self.rid, self.take_start())
                 continue
             for fd, _ in events:
                 if fd == self.wake_r:
@@ -831,7 +887,69 @@ def main() -> None:
     for fd in (in_fd, out_fd):
         os.set_inheritable(fd, False)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    Agent(in_fd, out_fd).serve()
+    # The bootstrap made the process non-dumpable before it read anything (set in the
+    # namespace it runs this source in); the key arrives only after it said so.
+    flags = NON_DUMPABLE if globals().get("_vf_nodump") else 0
+    opening = read_exact(in_fd, KEY + 1)
+    agent = Agent(in_fd, out_fd, opening[:KEY], flags)
+    files = open_own_files() if opening[KEY] & 1 else None
+    if files is not None:
+        # Opened before HELLO (before any command can run): a file replaced afterwards is a
+        # new inode, and the running interpreter cannot be rewritten in place (ETXTBSY).
+        threading.Thread(target=report_digests, args=(agent, files), daemon=True).start()
+    agent.serve()
+
+
+def read_exact(fd: int, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            os._exit(3)
+        data += chunk
+    return data
+
+
+def own_files() -> list[str]:
+    """The files this agent's code comes from: the interpreter, every module loaded (source
+    and cached bytecode), and the dynamic loader's preload list (absent or not)."""
+    paths = [os.path.realpath(sys.executable), "/etc/ld.so.preload"]
+    for module in list(sys.modules.values()):
+        spec = getattr(module, "__spec__", None)
+        for name in (getattr(spec, "origin", None), getattr(spec, "cached", None)):
+            if name and os.path.isabs(name) and name not in paths:
+                paths.append(name)
+    return paths
+
+
+def open_own_files() -> list[tuple[str, int]]:
+    opened = []
+    for path in own_files():
+        try:
+            opened.append((path, os.open(path, os.O_RDONLY | os.O_CLOEXEC)))
+        except OSError:
+            opened.append((path, -1))  # absent (a bytecode cache, the preload list)
+    return opened
+
+
+def report_digests(agent: Agent, files: list[tuple[str, int]]) -> None:
+    import hashlib
+
+    payload = []
+    for path, fd in files:
+        if fd < 0:
+            payload.append(text(path) + bytes(32))
+            continue
+        digest = hashlib.sha256()
+        try:
+            while chunk := os.read(fd, READ_CHUNK):
+                digest.update(chunk)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        payload.append(text(path) + digest.digest())
+    agent.out.send(DIGEST, 0, b"".join(payload))
 
 
 if __name__ in ("__main__", "__vf_sandbox_agent__"):

@@ -34,6 +34,7 @@ from typing import ClassVar, Self
 import anyio
 import anyio.lowlevel
 
+from ._extract import extract_archive
 from .config import RuntimeConfig
 from .errors import (
     ExecTimeoutError,
@@ -59,23 +60,107 @@ MARK_VAR = "VF_SANDBOX_RUNTIME"
 """Every command a runtime starts carries ``VF_SANDBOX_RUNTIME=<runtime mark>`` in its
 environment, so :meth:`Runtime.stop_processes` can find what is left of them."""
 
-_STOP_SCRIPT = r"""
-mark="$1=$2"; total=0
-for round in 1 2 3 4 5; do
-  found=0
+SWEEP_SCRIPT = r"""
+# Freeze, then kill: every matching process is sent SIGSTOP (which cannot be caught) until a
+# whole pass over /proc finds none still running and no process it had not seen before, so a
+# fork loop cannot outrun the sweep; then all of them get SIGKILL. Arguments: the mode, the
+# mark (NAME=value), a pid whose session is spared (the channel agent, or ""), a user all of
+# whose processes are the policy's ("").
+# Modes: ``all``, every process outside session 1 (a container of ours: its keep-alive is
+# session 1); ``since:T``, every process started at or after clock tick T (a sandbox of ours
+# whose own processes predate T); ``mark``, processes carrying the mark in their environment
+# or owned by the user, or whose working directory is $5 (the sandbox's own). The sweep's
+# own session and its ancestors are always spared.
+mode=$1 mark=$2 keep=$3 user=$4 home=$5
+since=""; case $mode in since:*) since=${mode#since:} ;; esac
+sid_of() {
+  { read -r __s < "/proc/$1/stat"; } 2>/dev/null || return 1
+  set -f; set -- ${__s##*) }; set +f; echo "$4"
+}
+ancestors() {
+  __p=$1
+  while [ -n "$__p" ] && [ "$__p" -gt 1 ] 2>/dev/null; do
+    echo "$__p"
+    { read -r __s < "/proc/$__p/stat"; } 2>/dev/null || return 0
+    set -f; set -- ${__s##*) }; set +f; __p=$2
+  done
+}
+mine=$(sid_of $$)
+spare=""; [ -n "$keep" ] && spare=$(sid_of "$keep")
+kept=" $(ancestors $$ | tr '\n' ' ') "
+[ -n "$keep" ] && kept="$kept$(ancestors "$keep" | tr '\n' ' ') "
+uid=""; if [ -n "$user" ]; then uid=$(id -u -- "$user" 2>/dev/null) || uid=""; fi
+[ "$uid" = "$(id -u)" ] && uid=""
+# look PID NEW: freeze PID if it matches; NEW=1 for a pid the pass before did not list.
+look() {
+  case $kept in *" $1 "*) return ;; esac
+  if ! { read -r s < "/proc/$1/stat"; } 2>/dev/null; then unsure=$((unsure | $2)); return; fi
+  set -f; set -- "$1" "$2" ${s##*) }; set +f
+  state=$3 sid=$6 started=${22}
+  case $state in Z|X|x) unsure=$((unsure | $2)); return ;; esac
+  case $other in *" $1:$started "*) return ;; esac
+  hit=1
+  if [ "$sid" = "$mine" ] || { [ -n "$spare" ] && [ "$sid" = "$spare" ]; }; then hit=0
+  elif [ "$mode" = all ]; then
+    [ "$sid" = 1 ] && hit=0
+  elif [ -n "$since" ]; then
+    [ "$started" -ge "$since" ] || hit=0
+  else
+    hit=0
+    if [ -n "$uid" ]; then
+      while read -r k v r; do
+        [ "$k" = Uid: ] && { [ "$v" = "$uid" ] && hit=1; break; }
+      done 2>/dev/null < "/proc/$1/status"
+    fi
+    if [ "$hit" = 1 ]; then :
+    elif [ -n "$home" ] && [ "/proc/$1/cwd" -ef "$home" ]; then hit=1
+    elif tr '\0' '\n' 2>/dev/null < "/proc/$1/environ" | grep -qxF -- "$mark"; then hit=1; fi
+  fi
+  if [ "$hit" = 0 ]; then other="$other$1:$started "; return; fi
+  case $seen in *" $1 "*) ;; *) seen="$seen$1 " ;; esac
+  case $state in T|t) ;; *) kill -STOP "$1" 2>/dev/null && running=$((running + 1)) ;; esac
+}
+seen=" " other=" " listed=" " pass=0 quiet=0
+while [ "$pass" -lt 500 ]; do
+  pass=$((pass + 1)); running=0 unsure=0 before=$listed listed=" " new="" old=""
   for d in /proc/[0-9]*; do
     p=${d#/proc/}
-    [ "$p" = "$$" ] && continue
-    if tr '\0' '\n' < "$d/environ" 2>/dev/null | grep -qxF -- "$mark"; then
-      kill -KILL "$p" 2>/dev/null && found=$((found + 1))
-    fi
+    listed="$listed$p "
+    case $before in *" $p "*) old="$old $p" ;; *) new="$new $p" ;; esac
   done
-  total=$((total + found))
-  [ "$found" -eq 0 ] && break
-  sleep 0.05
+  # New processes first: a fork loop's live member is among them, and about to exit.
+  for p in $new; do look "$p" 1; done
+  for p in $old; do look "$p" 0; done
+  # In a sandbox of our own (all, since): done once a pass froze nothing and read every
+  # process new since the pass before: one that forked and exited in between (unreadable, or
+  # a zombie) may have left a child only the next pass lists. Beside a host's other
+  # processes (mark), which come and go all the time: three passes in a row that froze
+  # nothing. Processes found not to match are not read again.
+  if [ "$running" -eq 0 ]; then quiet=$((quiet + 1)); else quiet=0; fi
+  if [ "$mode" = mark ]; then [ "$quiet" -ge 3 ] && break
+  else [ "$running" -eq 0 ] && [ "$unsure" -eq 0 ] && [ "$pass" -gt 1 ] && break; fi
 done
+total=0
+for p in $seen; do kill -KILL "$p" 2>/dev/null && total=$((total + 1)); done
 echo "$total"
 """
+"""The process sweep behind :meth:`Runtime.stop_processes` (POSIX ``sh``, ``/proc``)."""
+
+CLOCK_TICK_SCRIPT = 'read -r s < "/proc/$$/stat"; set -f; set -- ${s##*) }; echo "${20}"'
+"""Prints the start time (clock ticks since boot) of the shell running it: every process
+started later has a start time at least this large (the ``since:T`` sweep mode)."""
+
+
+def sweep_argv(
+    mode: str,
+    mark: str,
+    *,
+    keep: int | None = None,
+    user: str | None = None,
+    home: str | None = None,
+) -> list[str]:
+    """The argv of one :data:`SWEEP_SCRIPT` run (see its comment for the arguments)."""
+    return ["sh", "-c", SWEEP_SCRIPT, "sh", mode, mark, str(keep or ""), user or "", home or ""]
 
 
 class Runtime(abc.ABC):
@@ -194,6 +279,18 @@ class Runtime(abc.ABC):
     @property
     def sandbox_id(self) -> str | None:
         """The backend's id for this sandbox (container id, remote dir...), once started."""
+        return None
+
+    @property
+    def policy_user(self) -> str | None:
+        """The unprivileged user a rollout's policy runs its commands as (``exec(user=)``),
+        apart from the sandbox's default user, which the host's own machinery uses (judge
+        inputs, judges, harness installs, the channel agent). The policy cannot write to,
+        signal or ptrace what runs as the default user.
+
+        ``None`` when the backend keeps no separate policy identity: the policy then runs
+        as the default user (``docs/security.md`` says what still holds).
+        """
         return None
 
     async def alive(self) -> bool:
@@ -373,44 +470,74 @@ class Runtime(abc.ABC):
         with self._guard("upload", resolved):
             await self._upload(source, resolved)
 
-    async def download(self, remote: PathLike, local: PathLike) -> None:
+    async def download(
+        self, remote: PathLike, local: PathLike, *, skip_unsafe: bool = False
+    ) -> None:
         """Copy a sandbox file or directory tree to ``local`` (parents created).
 
-        A directory's contents land inside ``local``.
+        A directory's contents land inside ``local``. The sandbox is treated as hostile:
+        its tree is unpacked on the host without ever following a symlink, and nothing
+        outside ``local`` is created or changed. A member that would leave ``local`` (an
+        absolute or ``..`` name, a path through a symlink, a symlink that is absolute or
+        resolves outside ``local``, a hard link to anything this download did not
+        extract, a device or FIFO) raises :class:`UnsafeArchiveMemberError` naming it;
+        with ``skip_unsafe=True`` such members are left out instead, each logged as a
+        warning on the ``runtimes`` logger, and the rest is downloaded. (The subprocess
+        backend copies its own host tree and keeps symlinks as links, never following
+        them; it is not a boundary.)
 
         Raises:
             SandboxFileNotFoundError: nothing at ``remote``.
             SandboxPermissionError: not readable.
             OutputLimitExceededError: the tree is larger than the config's ``read_limit``.
+            UnsafeArchiveMemberError: an unsafe member (above), or more members or deeper
+                paths than the extractor allows (the member count bound is never skipped).
             SandboxInvalidArgumentError: a NUL byte in ``local``, a malformed ``remote``.
+            SandboxError: the sandbox's archive of the tree is malformed.
         """
         self._check_open()
         _check_local_path(local)
         resolved = self.resolve_path(remote)
         with self._guard("download", resolved):
-            await self._download(resolved, Path(local))
+            await self._download(resolved, Path(local), skip_unsafe=skip_unsafe)
 
     async def stop_processes(self) -> int:
-        """Kill every process this runtime started that is still running; return how many.
+        """Kill every process this runtime's commands started that is still running;
+        return how many.
 
         Background processes a command left behind (``nohup server &``) are found by the
-        ``VF_SANDBOX_RUNTIME`` mark in their environment, which every ``exec`` sets. The
-        placement layer calls this before a judge enters a rollout's sandbox, so nothing
-        the policy left can watch or tamper with the judge. A process that scrubbed its
-        own environment escapes this sweep; backends override it where they can do better.
+        ``VF_SANDBOX_RUNTIME`` mark in their environment, which every ``exec`` sets; backends
+        that own their sandbox find them however they detached (``setsid``, ``env -i``).
+        Matches are frozen (``SIGSTOP``) until none is left running, then killed, so a fork
+        loop cannot outrun the sweep. The placement layer calls this before a judge enters a
+        rollout's sandbox, between its commands and before its verdict is read, so nothing
+        the policy left can watch or tamper with the judge. ``docs/security.md`` says, per
+        backend, which leftovers each sweep reaches.
 
         Raises:
             SandboxUnavailableError: the sandbox is closed or dead.
+            SandboxError: the sweep itself failed (its stderr attached).
         """
         self._check_open()
-        request, sink = self._internal(["sh", "-c", _STOP_SCRIPT, "sh", MARK_VAR, self._mark])
+        request, sink = self._internal(self._sweep_argv())
         with self._guard("stop_processes"):
             code = await self._exec(request, sink)
+        return self._swept(code, sink)
+
+    def _sweep_argv(self) -> list[str]:
+        """The sweep :meth:`stop_processes` runs: by default, processes carrying the mark."""
+        return sweep_argv("mark", f"{MARK_VAR}={self._mark}")
+
+    def _swept(self, code: int, sink: OutputSink) -> int:
+        """How many processes a sweep killed, from its output.
+
+        Raises:
+            SandboxError: the sweep failed.
+        """
         text = bytes(sink.stdout).decode("utf-8", "replace").strip()
         if code != 0 or not text.isdigit():
-            raise SandboxError(
-                f"{self.describe()}: could not stop processes: {bytes(sink.stderr)!r}"
-            )
+            detail = bytes(sink.stderr).decode("utf-8", "replace").strip()
+            raise SandboxError(f"{self.describe()}: could not stop processes: {detail}")
         return int(text)
 
     # ------------------------------------------------------------------ helpers
@@ -559,7 +686,9 @@ class Runtime(abc.ABC):
         if await self._exec(request, sink) != 0:
             raise shell_error(remote, sink)
 
-    async def _download(self, remote: str, local: Path) -> None:
+    async def _download(self, remote: str, local: Path, *, skip_unsafe: bool = False) -> None:
+        """Copy ``remote`` to ``local``; a directory goes through :func:`_untar_into`,
+        which treats the archive as hostile (``skip_unsafe``: leave unsafe members out)."""
         request, sink = self._internal(
             [
                 "sh",
@@ -586,7 +715,9 @@ class Runtime(abc.ABC):
             )
         if code != 0:
             raise shell_error(remote, sink)
-        await anyio.to_thread.run_sync(_untar_into, bytes(sink.stdout), local)
+        await anyio.to_thread.run_sync(
+            lambda: _untar_into(bytes(sink.stdout), local, skip_unsafe=skip_unsafe)
+        )
 
     def _internal(
         self, argv: list[str], *, stdin: bytes | None = None, limit: int = 1 << 20
@@ -687,10 +818,10 @@ def _tar_directory(source: Path) -> bytes:
     return buf.getvalue()
 
 
-def _untar_into(data: bytes, local: Path) -> None:
-    local.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        tar.extractall(local, filter="data")
+def _untar_into(data: bytes, local: Path, *, skip_unsafe: bool = False) -> None:
+    """Unpack a tar made in the sandbox into ``local``, never trusting it (see
+    :mod:`runtimes._extract`)."""
+    extract_archive(io.BytesIO(data), local, skip_unsafe=skip_unsafe)
 
 
 def _write_local_file(local: Path, data: bytes) -> None:

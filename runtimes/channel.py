@@ -29,9 +29,12 @@ import abc
 import asyncio
 import collections
 import errno
+import hashlib
+import hmac
 import logging
 import math
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -46,6 +49,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from . import _channel_agent as agent
 from .errors import (
+    ChannelTamperedError,
     OutputLimitExceededError,
     SandboxError,
     SandboxFileNotFoundError,
@@ -76,6 +80,8 @@ __all__ = [
 FRAME = agent.HEADER
 U32 = agent.U32
 I32 = agent.I32
+TAG = agent.TAG
+SEQ = agent.SEQ
 
 CHUNK = 256 * 1024
 """Bytes of stdin or file content per frame."""
@@ -83,8 +89,12 @@ INLINE = 64 * 1024
 """Stdin or file content up to this size travels inside the request's own frame."""
 WINDOW = 4 * 1024 * 1024
 """Unacknowledged stdin / write bytes per request: bounds the agent's memory."""
-MAX_FRAME = 64 * 1024 * 1024
-"""A longer frame means the stream is corrupt: the channel is dropped."""
+MAX_FRAME = 1024 * 1024
+"""The longest frame the agent may send (its largest is a 256 KiB chunk): a header announcing
+more is refused before anything of it is buffered, and the channel is dropped as tampered."""
+MAX_BACKLOG = 16 * 1024 * 1024
+"""Bytes received from the agent and not yet taken by their request: past this the reader
+thread stops reading (the stream pushes back), so a flood cannot grow the host's memory."""
 START_TIMEOUT = 20.0
 """Seconds for the agent to say hello after its stream opened."""
 KILL_WAIT = 10.0
@@ -96,20 +106,29 @@ NEXT_PROBE = 5.0
 MAX_RESTARTS = 3
 RESTART_WINDOW = 60.0
 
+_DATA_KINDS = frozenset((agent.STDOUT, agent.STDERR, agent.CHUNK))
 _LOST = -1
 """Pseudo frame type delivered to every open request when the stream ends."""
 _NO_PYTHON = b"vf-sandbox:no-python"
+_READY = b"vf-sandbox:ready\n"
+"""What the bootstrap writes once the process is non-dumpable: the key is sent only then."""
 
 PROBE = (
     "command -v python3 >/dev/null 2>&1 || { echo vf-sandbox:no-python; exit 0; }; "
     'exec python3 -I -S -B -c "$1"'
 )
-"""The command that starts the agent: ``sh -c PROBE sh BOOTSTRAP``. Without python3 it says
-so on stdout (the channel is then never tried again in this sandbox)."""
+"""The command that starts the agent the first time: ``sh -c PROBE sh BOOTSTRAP``. Without
+python3 it says so on stdout (the channel is then never tried again in this sandbox). Later
+starts run the interpreter the first agent reported, by absolute path (:func:`agent_command`)."""
 
 BOOTSTRAP = (
     "import os,sys\n"
     "if sys.version_info<(3,8):os.write(1,b'vf-sandbox:no-python\\n');sys.exit(0)\n"
+    "d=0\n"
+    "try:\n"
+    " import ctypes;d=ctypes.CDLL(None).prctl(4,0,0,0,0)==0\n"
+    "except Exception:pass\n"
+    "os.write(1,b'vf-sandbox:ready\\n')\n"
     "def r(n):\n"
     " b=b''\n"
     " while len(b)<n:\n"
@@ -117,9 +136,13 @@ BOOTSTRAP = (
     "  if not c:sys.exit(3)\n"
     "  b+=c\n"
     " return b\n"
-    "exec(compile(r(int(r(10))),'vf-sandbox-agent','exec'),{'__name__':'__vf_sandbox_agent__'})\n"
+    "exec(compile(r(int(r(10))),'vf-sandbox-agent','exec'),"
+    "{'__name__':'__vf_sandbox_agent__','_vf_nodump':d})\n"
 )
-"""Python's ``-c`` program: reads the agent's length-prefixed source from stdin and runs it."""
+"""Python's ``-c`` program: makes the process non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``: no
+``/proc/<pid>/fd``, no ptrace by other processes without CAP_SYS_PTRACE), says ``ready``, then
+reads the agent's length-prefixed source from stdin and runs it. The agent then reads the
+per-start key from stdin (sent by the host only after ``ready``)."""
 
 
 @cache
@@ -129,8 +152,12 @@ def agent_source() -> bytes:
     return b"%010d" % len(source) + source
 
 
-def agent_command() -> list[str]:
-    """argv that starts the agent in a sandbox with a POSIX ``sh``."""
+def agent_command(interpreter: str | None = None) -> list[str]:
+    """argv that starts the agent: through ``sh`` and a ``PATH`` search for ``python3`` the
+    first time, else straight through ``interpreter`` (an absolute path, pinned at the first
+    start: no shell, no ``PATH``)."""
+    if interpreter is not None:
+        return [interpreter, "-I", "-S", "-B", "-c", BOOTSTRAP]
     return ["sh", "-c", PROBE, "sh", BOOTSTRAP]
 
 
@@ -232,6 +259,9 @@ class _Request:
     rid: int
     inbox: MemoryObjectSendStream[Frame]
     frames: MemoryObjectReceiveStream[Frame]
+    budget: int | None = None
+    """The most output / content bytes the real agent may send for this request."""
+    received: int = 0
 
 
 class Channel:
@@ -247,8 +277,23 @@ class Channel:
         kill_group: Callable[[int], Awaitable[None]] | None = None,
         stall_timeout: float | None = None,
         kill_wait: float = KILL_WAIT,
+        want_digests: bool = False,
     ) -> None:
         self.label = label
+        self._key = secrets.token_bytes(agent.KEY)
+        """Authenticates every frame, both directions; sent once, over the stream itself,
+        after the bootstrap made the agent non-dumpable. Never in argv, env or a file."""
+        self._want_digests = want_digests
+        self._seq_out = 0
+        self._seq_in = 0
+        self.tampered: str | None = None
+        """Why the stream is not trusted any more (a forged frame...): set once, never reset."""
+        self.refused: str | None = None
+        """Why the agent that answered may not serve (it could not protect itself)."""
+        self.digests: dict[str, bytes] | None = None
+        self._digests_ready: anyio.Event | None = None
+        self._flow = threading.Condition()
+        self._backlog = 0
         self._stall_timeout = stall_timeout
         self._kill_wait = kill_wait
         self.hello: dict[str, Any] = {}
@@ -282,6 +327,7 @@ class Channel:
         """
         self._loop, self._call_soon = _loop_handle()
         self._ready = anyio.Event()
+        self._digests_ready = anyio.Event()
         for name, target in (("reader", self._read_loop), ("writer", self._write_loop)):
             threading.Thread(target=target, name=f"vf-channel-{name}", daemon=True).start()
         self._emit(agent_source())
@@ -292,12 +338,24 @@ class Channel:
         if not self.hello:
             said = self._transport.diagnostics()
             raise ChannelLost(f"{self.label}: the agent ended before it started: {said or '-'}")
+        if self.refused is not None:
+            raise ChannelUnsupported(f"{self.label}: {self.refused}")
+
+    async def wait_digests(self, timeout: float) -> dict[str, bytes] | None:
+        """The digests of the files the agent runs from (asked for at its start), once it
+        reported them; ``None`` if it did not within ``timeout`` or the channel died."""
+        if not self._want_digests or self._digests_ready is None:
+            return None
+        with anyio.move_on_after(timeout):
+            await self._digests_ready.wait()
+        return self.digests
 
     @property
     def usable(self) -> bool:
         """Alive, and called from the event loop it belongs to."""
         return (
-            not self._lost
+            self.tampered is None
+            and not self._lost
             and not self._broken.is_set()
             and not self._closed.is_set()
             and self._loop is not None
@@ -404,6 +462,9 @@ class Channel:
         greeted = False
         try:
             while True:
+                with self._flow:
+                    while self._backlog > MAX_BACKLOG and not self._closed.is_set():
+                        self._flow.wait(0.5)
                 data = self._transport.recv()
                 if not data:
                     if not greeted and bytes(buf).startswith(_NO_PYTHON):
@@ -411,12 +472,23 @@ class Channel:
                     return
                 buf += data
                 if not greeted:
-                    if buf.startswith(_NO_PYTHON[: len(buf)]):
+                    head = bytes(buf[: len(_NO_PYTHON)])
+                    if buf.startswith(_NO_PYTHON) or _NO_PYTHON.startswith(head):
+                        continue  # no python3 (its EOF follows), or not all of the word yet
+                    if len(buf) < len(_READY) and _READY.startswith(head):
                         continue
+                    if not buf.startswith(_READY):
+                        log.warning("%s: the agent began with %r", self.label, head)
+                        return
+                    del buf[: len(_READY)]
                     greeted = True
-                frames = self._parse(buf)
+                    self._send_key()
+                frames, tampered = self._parse(buf)
                 if frames:
                     self._deliver_soon(frames)
+                if tampered is not None:
+                    self._tamper(tampered)
+                    return
         except Exception as exc:  # noqa: BLE001 - any failure of the stream ends the channel
             if not self._closed.is_set():
                 log.debug("%s: reading from the agent failed: %r", self.label, exc)
@@ -424,21 +496,68 @@ class Channel:
             self._broken.set()
             self._soon(self._on_lost)
 
-    def _parse(self, buf: bytearray) -> list[tuple[int, int, bytes]]:
+    def _send_key(self) -> None:
+        """The key (and whether to report digests), from the reader thread: before any frame."""
+        with self._send_lock:
+            self._queued += 1
+        self._outbox.put(self._key + bytes([1 if self._want_digests else 0]))
+
+    def _tamper(self, reason: str) -> None:
+        """The stream cannot be trusted any more: close it (open requests fail typed)."""
+        if self.tampered is None:
+            self.tampered = reason
+            log.error("%s: %s; the channel is closed for good", self.label, reason)
+        self._broken.set()
+        self.close(wait=False)
+
+    def _parse(self, buf: bytearray) -> tuple[list[tuple[int, int, bytes]], str | None]:
+        """Whole authenticated frames off the front of ``buf``, and why the stream is
+        tampered with if it is (the frames before that one are authentic)."""
         frames = []
         pos = 0
         end = len(buf)
+        key = self._key
+        tampered = None
+        size_total = 0
         while end - pos >= FRAME.size:
             kind, rid, size = FRAME.unpack_from(buf, pos)
             if size > MAX_FRAME:
-                raise SandboxError(f"{self.label}: corrupt frame from the agent ({size} bytes)")
-            stop = pos + FRAME.size + size
-            if stop > end:
+                tampered = f"the agent's stream announced a frame of {size} bytes"
                 break
-            frames.append((kind, rid, bytes(buf[pos + FRAME.size : stop])))
-            pos = stop
+            stop = pos + FRAME.size + size
+            if stop + TAG > end:
+                break
+            header = bytes(buf[pos : pos + FRAME.size])
+            payload = bytes(buf[pos + FRAME.size : stop])
+            expected = agent.mac(key, self._seq_in, header, payload)
+            if not hmac.compare_digest(expected, bytes(buf[stop : stop + TAG])):
+                tampered = (
+                    f"a frame on the agent's stream failed authentication (#{self._seq_in}): "
+                    "something in the sandbox wrote to it"
+                )
+                break
+            self._seq_in += 1
+            frames.append((kind, rid, payload))
+            size_total += size + FRAME.size
+            pos = stop + TAG
         del buf[:pos]
-        return frames
+        if size_total:
+            with self._flow:
+                self._backlog += size_total
+        return frames, tampered
+
+    def _release(self, size: int) -> None:
+        """A request took ``size`` bytes off its inbox: the reader may read on."""
+        with self._flow:
+            self._backlog -= size + FRAME.size
+            if self._backlog <= MAX_BACKLOG:
+                self._flow.notify()
+
+    async def _receive(self, request: _Request) -> Frame:
+        kind, payload = await request.frames.receive()
+        if kind != _LOST:
+            self._release(len(payload))
+        return kind, payload
 
     def _deliver_soon(self, frames: list[tuple[int, int, bytes]]) -> None:
         self._soon(lambda: self._deliver(frames))
@@ -456,24 +575,56 @@ class Channel:
 
     def _deliver(self, frames: list[tuple[int, int, bytes]]) -> None:
         for kind, rid, payload in frames:
-            if rid == 0:
-                if kind == agent.HELLO and not self.hello:
-                    self.hello = _decode_hello(payload)
-                    if self._ready is not None:
-                        self._ready.set()
-                continue
-            request = self._requests.get(rid)
+            request = self._requests.get(rid) if rid else None
             if request is not None:
                 request.inbox.send_nowait((kind, payload))
+                if request.budget is not None and kind in _DATA_KINDS:
+                    request.received += len(payload)
+                    if request.received > request.budget:
+                        self._tamper(
+                            f"the agent sent {request.received} bytes for a request allowed "
+                            f"{request.budget}: it is not the agent the host started"
+                        )
+                continue
+            self._release(len(payload))
+            if rid != 0:
+                continue  # a request that finished meanwhile: late frames are dropped
+            if kind == agent.HELLO and not self.hello:
+                self._greeted(payload)
+            elif kind == agent.DIGEST and self.digests is None:
+                self.digests = _decode_digests(payload)
+                if self._digests_ready is not None:
+                    self._digests_ready.set()
+            elif kind == agent.ALERT:
+                reason = agent.Fields(payload).text()
+                self._tamper(f"the agent received frames it did not get from the host: {reason}")
+
+    def _greeted(self, payload: bytes) -> None:
+        try:
+            self.hello = _decode_hello(payload)
+        except (ValueError, IndexError) as exc:  # struct.error is a ValueError
+            self._tamper(f"the agent's hello is malformed: {exc}")
+            return
+        if self.hello["v"] != agent.VERSION:
+            self.refused = f"the agent speaks version {self.hello['v']}, not {agent.VERSION}"
+        elif not self.hello["flags"] & agent.NON_DUMPABLE:
+            self.refused = (
+                "the agent could not make itself non-dumpable (no ctypes or prctl?): "
+                "code in the sandbox could open its stream"
+            )
+        if self._ready is not None:
+            self._ready.set()
 
     def _on_lost(self) -> None:
         self._lost = True
         if self._ready is not None:
             self._ready.set()
+        if self._digests_ready is not None:
+            self._digests_ready.set()  # nothing more will come
         for request in list(self._requests.values()):
             request.inbox.send_nowait((_LOST, b""))
 
-    def _open(self) -> _Request:
+    def _open(self, budget: int | None = None) -> _Request:
         if not self.usable:
             raise ChannelLost(f"{self.label}: the channel is closed", sent=False)
         rid = self._last_id
@@ -483,23 +634,44 @@ class Channel:
                 break
         self._last_id = rid
         inbox, frames = anyio.create_memory_object_stream[Frame](math.inf)
-        request = _Request(rid, inbox, frames)
+        request = _Request(rid, inbox, frames, budget)
         self._requests[rid] = request
         return request
 
     def _finish(self, request: _Request) -> None:
         self._requests.pop(request.rid, None)
         request.inbox.close()
+        while True:
+            try:
+                kind, payload = request.frames.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            if kind != _LOST:
+                self._release(len(payload))
         request.frames.close()
 
     def _send(self, kind: int, rid: int, payload: bytes = b"") -> None:
-        self._emit(FRAME.pack(kind, rid, len(payload)) + payload)
+        header = FRAME.pack(kind, rid, len(payload))
+        tag = agent.mac(self._key, self._seq_out, header, payload)
+        self._seq_out += 1
+        self._emit(header + payload + tag)
 
     def _send_with_header(
         self, kind: int, rid: int, header: bytes, inline: bytes | memoryview
     ) -> None:
         prefix = U32.pack(len(header)) + header
-        self._emit(FRAME.pack(kind, rid, len(prefix) + len(inline)) + prefix + inline)
+        frame = FRAME.pack(kind, rid, len(prefix) + len(inline))
+        if len(inline) < 4096:
+            body = prefix + bytes(inline)
+            tag = agent.mac(self._key, self._seq_out, frame, body)
+            self._seq_out += 1
+            self._emit(frame + body + tag)
+            return
+        digest = hmac.new(self._key, SEQ.pack(self._seq_out) + frame, hashlib.sha256)
+        digest.update(prefix)
+        digest.update(inline)
+        self._seq_out += 1
+        self._emit(frame + prefix + inline + digest.digest()[:TAG])
 
     async def _next(self, request: _Request, *, file: bool = False) -> Frame:
         """The request's next frame. A silence is met with the backend's liveness probe;
@@ -510,13 +682,20 @@ class Channel:
         while True:
             step = wait if stall is None else min(wait, stall - waited)
             with anyio.move_on_after(step):
-                return await request.frames.receive()
+                return await self._receive(request)
             waited += step
             if stall is not None and waited >= stall:
                 raise ChannelStalled(f"{self.label}: no answer for {stall:g}s")
             if self._probe_dead is not None and await self._probe_dead():
                 raise SandboxGone(f"{self.label}: the sandbox stopped")
             wait = NEXT_PROBE
+
+    def _acked(self, in_flight: int, payload: bytes) -> int:
+        """The window after an ``ACK``; one acknowledging more than was sent is a forgery."""
+        in_flight -= U32.unpack(payload)[0]
+        if in_flight < 0:
+            self._tamper("the agent acknowledged bytes the host never sent")
+        return in_flight
 
     def _send_more(self, rid: int, data: memoryview, sent: int, in_flight: int) -> tuple[int, int]:
         """Queue stdin / content frames while the window allows; EOF after the last."""
@@ -540,7 +719,8 @@ class Channel:
             SandboxError subclasses: the command could not start (typed, as documented on
                 :meth:`runtimes.base.Runtime.exec`).
         """
-        pending = self._open()
+        # The agent forwards at most the cap and the chunk that crossed it.
+        pending = self._open(request.output_limit + agent.PIPE_CHUNK)
         data = memoryview(request.stdin or b"")
         inline = data[:INLINE]
         header = _exec_header(request, env, bool(data), len(inline) == len(data))
@@ -557,7 +737,7 @@ class Channel:
                 elif kind == agent.STDERR:
                     sink.feed("stderr", payload)
                 elif kind == agent.ACK:
-                    in_flight -= U32.unpack(payload)[0]
+                    in_flight = self._acked(in_flight, payload)
                 elif kind == agent.STARTED:
                     pgid = U32.unpack(payload)[0]
                 elif kind == agent.EXIT:
@@ -587,7 +767,7 @@ class Channel:
             self._send(agent.KILL, pending.rid)
             with anyio.move_on_after(self._kill_wait):
                 while True:
-                    kind, payload = await pending.frames.receive()
+                    kind, payload = await self._receive(pending)
                     if kind == agent.STARTED:
                         pgid = U32.unpack(payload)[0]
                     elif kind in (agent.EXIT, agent.ERROR):
@@ -613,14 +793,22 @@ class Channel:
             SandboxPermissionError, OutputLimitExceededError: as for ``Runtime.read``.
             ChannelLost / SandboxGone: for the supervisor to handle.
         """
-        pending = self._open()
+        pending = self._open(limit)
         done = False
         try:
             self._send(agent.READ, pending.rid, agent.U64.pack(limit) + agent.text(path))
             parts: list[bytes] = []
+            received = 0
             while True:
                 kind, payload = await self._next(pending, file=True)
                 if kind == agent.CHUNK:
+                    received += len(payload)
+                    if received > limit:
+                        # The agent checks the cap before it sends: one that sends more is
+                        # not the agent the host started. Nothing more is buffered.
+                        parts.clear()
+                        self._tamper(f"the agent sent more than the {limit} bytes a read allows")
+                        raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
                     parts.append(payload)
                 elif kind == agent.DONE:
                     done = True
@@ -657,7 +845,7 @@ class Channel:
                 sent, in_flight = self._send_more(pending.rid, view, sent, in_flight)
                 kind, payload = await self._next(pending, file=True)
                 if kind == agent.ACK:
-                    in_flight -= U32.unpack(payload)[0]
+                    in_flight = self._acked(in_flight, payload)
                 elif kind == agent.DONE:
                     done = True
                     return
@@ -725,9 +913,29 @@ def _exec_header(
 
 
 def _decode_hello(payload: bytes) -> dict[str, Any]:
-    version, pid, sid, uid, gid = agent.HELLO_FIELDS.unpack_from(payload, 0)
+    version, pid, sid, uid, gid, flags = agent.HELLO_FIELDS.unpack_from(payload, 0)
     fields = agent.Fields(payload[agent.HELLO_FIELDS.size :])
-    return {"v": version, "pid": pid, "sid": sid, "uid": uid, "gid": gid, "python": fields.text()}
+    python = fields.text()
+    return {
+        "v": version,
+        "pid": pid,
+        "sid": sid,
+        "uid": uid,
+        "gid": gid,
+        "flags": flags,
+        "python": python,
+        "executable": fields.text(),
+    }
+
+
+def _decode_digests(payload: bytes) -> dict[str, bytes]:
+    fields = agent.Fields(payload)
+    digests = {}
+    while fields.pos < len(payload):
+        path = fields.text()
+        digests[path] = payload[fields.pos : fields.pos + 32]
+        fields.pos += 32
+    return digests
 
 
 def _decode_error(payload: bytes) -> tuple[int, str, str]:
@@ -780,17 +988,52 @@ def _file_error(payload: bytes, path: str, limit: int) -> SandboxError:
 class ChannelHooks:
     """What a backend gives its :class:`ChannelSupervisor`.
 
-    ``open_transport``: start ``agent_command()`` with stdin attached and return the stream
-    (raise a ``SandboxError`` when it cannot). ``kill_group``: kill a process group through
+    ``open_transport``: start ``agent_command(interpreter)`` with stdin attached and return
+    the stream (raise a ``SandboxError`` when it cannot); ``interpreter`` is ``None`` the first
+    time, then the absolute path pinned then. ``kill_group``: kill a process group through
     the plain path (the agent died holding it). ``lost_means_dead``: after the channel died,
     whether the sandbox itself is gone. ``probe_dead``: a cheap check, during a long silence,
-    that the sandbox stopped (``None``: no such check).
+    that the sandbox stopped (``None``: no such check). ``verify_agent``: before a restart,
+    check through the backend's own file access (never by running sandbox code) that the
+    files the first agent ran from are unchanged: given their sha256 (32 zero bytes: absent;
+    :data:`UNKNOWN`: the first agent died before it reported) as the first agent reported
+    them, the pinned interpreter always among them, return ``None`` or why they cannot be
+    trusted (``None`` hook: a restart is never trusted, the plain path serves).
+    ``verify_first``: before the first start, whether the sandbox's ``python3`` can be trusted
+    (a sandbox commands ran in before this runtime attached); ``None`` or why not.
     """
 
-    open_transport: Callable[[], Awaitable[ChannelTransport]]
+    open_transport: Callable[[str | None], Awaitable[ChannelTransport]]
     kill_group: Callable[[int], Awaitable[None]]
     lost_means_dead: Callable[[], Awaitable[bool]]
     probe_dead: Callable[[], Awaitable[bool]] | None = None
+    verify_agent: Callable[[Mapping[str, bytes]], Awaitable[str | None]] | None = None
+    verify_first: Callable[[], Awaitable[str | None]] | None = None
+
+
+ABSENT = bytes(32)
+"""The digest the agent reports for a file that is not there (``/etc/ld.so.preload``)."""
+UNKNOWN = b""
+"""The digest of a file the first agent did not report (it died first)."""
+
+
+async def verify_by_reading(
+    read_file: Callable[[str], Awaitable[bytes | None]], digests: Mapping[str, bytes]
+) -> str | None:
+    """A ``verify_agent`` for backends that can read a file without running sandbox code
+    (SFTP, a filesystem API): every file hashed again and compared. ``read_file`` returns
+    ``None`` for a missing file and may raise ``SandboxError``."""
+    for path, digest in digests.items():
+        if digest == UNKNOWN:
+            return f"the first agent died before it reported the digest of {path!r}"
+        try:
+            data = await read_file(path)
+        except SandboxError as exc:
+            return f"could not read {path!r} to verify it: {exc}"
+        now = ABSENT if data is None else hashlib.sha256(data).digest()
+        if not hmac.compare_digest(now, digest):
+            return f"{path!r} changed since the agent first ran"
+    return None
 
 
 @dataclass(frozen=True)
@@ -798,9 +1041,12 @@ class ChannelInfo:
     """The state of a runtime's channel, for tests, logs and ``vf-sandbox doctor``.
 
     ``state`` is ``disabled`` (``channel=False``), ``unsupported`` (no python3 in the
-    sandbox), ``running``, ``down`` (died or never came up; restarted on the next call while
-    the restart budget allows) or ``closed``. ``served`` counts the calls the channel served,
-    ``fallbacks`` those that took the backend's plain path while the channel was enabled.
+    sandbox, or an agent that cannot protect itself), ``running``, ``down`` (died or never
+    came up; restarted on the next call while the restart budget allows), ``distrusted``
+    (the stream was tampered with, or the agent could not be restarted from verified files:
+    the plain path serves for good; ``reason`` says why) or ``closed``. ``served`` counts
+    the calls the channel served, ``fallbacks`` those that took the backend's plain path
+    while the channel was enabled.
     """
 
     state: str
@@ -844,6 +1090,11 @@ class ChannelSupervisor:
         self._served = 0
         self._fallbacks = 0
         self._locks: dict[int, anyio.Lock] = {}
+        self._interpreter: str | None = None
+        """The interpreter's absolute path, as the first agent (started before any command
+        of the runtime) reported it: later starts run it by path, after verification."""
+        self._first: Channel | None = None
+        self._distrusted: str | None = None
 
     @property
     def info(self) -> ChannelInfo:
@@ -852,6 +1103,8 @@ class ChannelSupervisor:
             state = "disabled"
         elif self._closed:
             state = "closed"
+        elif self._distrusted is not None or (chan is not None and chan.tampered):
+            state = "distrusted"
         elif self._unsupported:
             state = "unsupported"
         elif chan is not None and chan.hello and not chan._lost and not chan._broken.is_set():
@@ -866,7 +1119,7 @@ class ChannelSupervisor:
             restarts=self._restart_count,
             served=self._served,
             fallbacks=self._fallbacks,
-            reason=self._reason,
+            reason=self._reason or (chan.tampered if chan is not None else None),
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -874,8 +1127,17 @@ class ChannelSupervisor:
     async def start(self) -> None:
         """Start the agent (the runtime's ``_start``). Never raises: a sandbox without a
         channel still works through the plain path."""
-        if self.enabled:
-            self._channel = await self._launch()
+        if not self.enabled:
+            return
+        if self._hooks.verify_first is not None:
+            try:
+                reason = await self._hooks.verify_first()
+            except SandboxError as exc:
+                reason = f"could not verify the sandbox's python3: {exc}"
+            if reason is not None:
+                self._distrust(f"the agent's interpreter cannot be trusted: {reason}")
+                return
+        self._channel = await self._launch()
 
     async def close(self) -> None:
         """Close the channel (before the sandbox goes away)."""
@@ -891,12 +1153,47 @@ class ChannelSupervisor:
         if chan is not None:
             chan.close()
 
-    async def _launch(self) -> Channel | None:
+    def _distrust(self, reason: str) -> None:
+        if self._distrusted is None:
+            self._distrusted = reason
+            self._reason = reason
+            log.warning("%s: channel distrusted: %s; the plain path serves", self._label(), reason)
+
+    async def _verified_interpreter(self) -> str | None:
+        """Before a restart: the pinned interpreter if the files the first agent ran from
+        are verified unchanged; else ``None`` and the channel is distrusted for good."""
+        first = self._first
+        if self._interpreter is None or first is None:
+            self._distrust(
+                "no interpreter was pinned at the first start: a restart would run "
+                "whatever python3 the sandbox has now"
+            )
+            return None
+        verify = self._hooks.verify_agent
+        if verify is None:
+            self._distrust("the agent died and this backend cannot verify its interpreter")
+            return None
+        # The first agent may have died before it reported (killed at once): the pinned
+        # interpreter is then listed with an unknown digest (a backend that verifies by
+        # content refuses it; Docker's diff against the image needs no digest).
+        digests = dict(await first.wait_digests(self._start_timeout) or {})
+        digests.setdefault(self._interpreter, UNKNOWN)
+        try:
+            reason = await verify(digests)
+        except SandboxError as exc:
+            reason = f"could not verify the agent's files: {exc}"
+        if reason is not None:
+            self._distrust(f"the agent died and its files cannot be trusted: {reason}")
+            return None
+        return self._interpreter
+
+    async def _launch(self, interpreter: str | None = None) -> Channel | None:
         label = self._label()
+        first = self._first is None
         try:
             with anyio.CancelScope(shield=True):
                 # Shielded: once the stream is open nothing may lose the handle on it.
-                transport = await self._hooks.open_transport()
+                transport = await self._hooks.open_transport(interpreter)
         except SandboxError as exc:
             self._reason = f"could not start the agent: {exc}"
             log.info("%s: %s", label, self._reason)
@@ -908,6 +1205,7 @@ class ChannelSupervisor:
             kill_group=self._hooks.kill_group,
             stall_timeout=self._stall_timeout,
             kill_wait=self._kill_wait,
+            want_digests=first and self._hooks.verify_agent is not None,
         )
         try:
             await chan.start(self._start_timeout)
@@ -916,14 +1214,21 @@ class ChannelSupervisor:
             self._reason = str(exc)
             log.info("%s: %s; using the plain path", label, exc)
         except (ChannelLost, TimeoutError) as exc:
-            self._reason = f"the agent did not start: {exc or 'timed out'}"
-            log.warning("%s: %s", label, self._reason)
+            if chan.tampered is not None:
+                self._distrust(chan.tampered)
+            else:
+                self._reason = f"the agent did not start: {exc or 'timed out'}"
+                log.warning("%s: %s", label, self._reason)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await chan.aclose()
             raise
         else:
             self._reason = None
+            if first:
+                self._first = chan
+                executable = str(chan.hello.get("executable") or "")
+                self._interpreter = executable if executable.startswith("/") else None
             return chan
         with anyio.CancelScope(shield=True):
             await chan.aclose()
@@ -932,7 +1237,7 @@ class ChannelSupervisor:
     async def _current(self) -> Channel | None:
         """The channel to use for this call, restarting a dead one if allowed; ``None``
         for the plain path."""
-        if not self.enabled or self._unsupported or self._closed:
+        if not self.enabled or self._unsupported or self._closed or self._distrusted:
             return None
         chan = self._channel
         if chan is not None:
@@ -947,11 +1252,20 @@ class ChannelSupervisor:
             if chan is not None:
                 self._channel = None
                 await chan.aclose()
-            if self._closed or not self._may_restart():
+                if chan.tampered is not None:
+                    self._distrust(chan.tampered)
+            if self._closed or self._distrusted or not self._may_restart():
                 return None
+            interpreter = None
+            if self._first is not None or self._served or self._fallbacks:
+                # Commands may have run since the first start: never search PATH again,
+                # and run the pinned interpreter only once its files are verified.
+                interpreter = await self._verified_interpreter()
+                if interpreter is None:
+                    return None
             self._restart_count += 1
             self._restarts.append(time.monotonic())
-            self._channel = await self._launch()
+            self._channel = await self._launch(interpreter)
             return self._channel
 
     def _lock(self) -> anyio.Lock:
@@ -983,16 +1297,32 @@ class ChannelSupervisor:
             log.debug("%s: liveness probe failed: %s", self._label(), exc)
             return False
 
+    async def _tampered(
+        self, chan: Channel, what: str, pgid: int | None = None
+    ) -> ChannelTamperedError:
+        """The error for a request whose channel was tampered with (never retried through
+        a channel; the plain path serves later calls)."""
+        reason = chan.tampered or "tampered with"
+        self._distrust(reason)
+        with anyio.CancelScope(shield=True):
+            await self._retire_and_kill(chan, pgid)
+        return ChannelTamperedError(f"{self._label()}: during {what}: {reason}")
+
+    async def _retire_and_kill(self, chan: Channel, pgid: int | None) -> None:
+        """Retire a channel that failed a request, and kill the request's process group
+        (if it started one) through the backend's plain path, bounded."""
+        await self._retire(chan)
+        if pgid is not None:
+            with anyio.move_on_after(self._kill_wait):
+                try:
+                    await self._hooks.kill_group(pgid)
+                except SandboxError as exc:
+                    log.warning("%s: could not kill group %s: %s", self._label(), pgid, exc)
+
     async def _failure(self, chan: Channel, what: str, pgid: int | None = None) -> SandboxError:
         """The error for a non-idempotent request whose channel died under it."""
         with anyio.CancelScope(shield=True):
-            await self._retire(chan)
-            if pgid is not None:
-                with anyio.move_on_after(self._kill_wait):
-                    try:
-                        await self._hooks.kill_group(pgid)
-                    except SandboxError as exc:
-                        log.warning("%s: could not kill group %s: %s", self._label(), pgid, exc)
+            await self._retire_and_kill(chan, pgid)
             try:
                 dead = await self._hooks.lost_means_dead()
             except SandboxError:
@@ -1038,6 +1368,8 @@ class ChannelSupervisor:
             self._fallbacks += 1
             return await plain()
         except ChannelLost as lost:
+            if chan.tampered is not None:
+                raise await self._tampered(chan, what, lost.pgid) from None
             if not lost.sent:
                 return await self._unsent(chan, plain)
             raise await self._failure(chan, what, lost.pgid) from None
@@ -1088,6 +1420,8 @@ class ChannelSupervisor:
         try:
             return await call(chan)
         except ChannelLost as lost:
+            if chan.tampered is not None:
+                raise await self._tampered(chan, what) from None
             if idempotent:
                 await self._retire(chan)
                 self._fallbacks += 1

@@ -50,7 +50,8 @@ import anyio.lowlevel
 from pydantic import Field, field_validator
 
 from . import session
-from .base import MARK_VAR, Runtime, shell_error
+from ._extract import extract_archive
+from .base import MARK_VAR, Runtime, _write_local_file, shell_error, sweep_argv
 from .channel import (
     ChannelHooks,
     ChannelInfo,
@@ -74,6 +75,7 @@ from .errors import (
 )
 from .limits import creation_rate, live_cap
 from .models import ExecRequest, MiB, OutputSink, SandboxInfo, Stream
+from .policy import DEFAULT_POLICY_USER, PolicyAccount, validate_policy_user
 
 if TYPE_CHECKING:
     import docker
@@ -159,30 +161,6 @@ _KILL_ORPHAN = (
     'kill -9 "-$1" 2>/dev/null; exit 0'
 )
 
-# Every exec is a session of its own (docker exec calls setsid); the keep-alive and init
-# are session 1. So in an owned container "every process not in session 1" is exactly
-# what commands started, including daemons that double-forked or scrubbed their env.
-_STOP_ALL_SCRIPT = r"""
-keep=${1:-none}
-total=0
-for round in 1 2 3 4 5; do
-  found=0
-  for d in /proc/[0-9]*; do
-    p=${d#/proc/}
-    [ "$p" = "$$" ] && continue
-    s=$(cat "$d/stat" 2>/dev/null) || continue
-    set -f; set -- ${s##*) }; set +f
-    [ "$4" = 1 ] && continue
-    [ "$4" = "$$" ] && continue
-    [ "$4" = "$keep" ] && continue
-    kill -KILL "$p" 2>/dev/null && found=$((found + 1))
-  done
-  total=$((total + found))
-  [ "$found" -eq 0 ] && break
-  sleep 0.05
-done
-echo "$total"
-"""
 
 # File operations through exec, for sandboxes whose user is not root.
 _READ_SCRIPT = r"""
@@ -226,7 +204,10 @@ class DockerConfig(RuntimeConfig):
 
     ``workdir`` defaults to ``/work`` (created) for owned sandboxes; in attach mode to the
     container's ``WorkingDir``, else ``/``. ``user`` is the default user of commands (and
-    of file operations). ``cpu`` is in cores, ``memory`` in bytes or with a unit
+    of file operations): the host's machinery runs as it. ``policy_user`` is the account a
+    rollout's policy runs as (``exec(user=rt.policy_user)``), made on first use in an owned
+    container whose default user is root; ``None`` runs the policy as the default user
+    (``docs/security.md``). ``cpu`` is in cores, ``memory`` in bytes or with a unit
     (``"512m"``, ``"2g"``). ``network`` is ``"none"`` (default), ``"bridge"``, ``"host"``
     or a network's name. ``base_url`` is ``unix://...``, ``tcp://host:port`` or
     ``ssh://user@host`` (paramiko); unset means ``DOCKER_HOST`` or the local socket.
@@ -238,6 +219,7 @@ class DockerConfig(RuntimeConfig):
     image: str = DEFAULT_IMAGE
     container: str | None = None
     user: str | None = None
+    policy_user: str | None = DEFAULT_POLICY_USER
     cpu: float | None = Field(default=None, gt=0)
     memory: int | str | None = None
     pids_limit: int | None = Field(default=None, gt=0)
@@ -259,6 +241,7 @@ class DockerConfig(RuntimeConfig):
     )
 
     _absolute_workdir = field_validator("workdir")(absolute_workdir)
+    _plain_policy_user = field_validator("policy_user")(validate_policy_user)
 
     @field_validator("memory")
     @classmethod
@@ -886,20 +869,13 @@ def _tree_tar(source: Path) -> bytes:
     return buf.getvalue()
 
 
-def _extract_tree(archive: Any, top: str, local: Path) -> None:
-    """Extract a directory's archive into ``local``, dropping the top component ``top``."""
-    local.mkdir(parents=True, exist_ok=True)
-    prefix = top + "/"
-    with tarfile.open(fileobj=archive, mode="r:") as tar:
-        members = []
-        for member in tar.getmembers():
-            if member.name == top or not member.name.startswith(prefix):
-                continue
-            member.name = member.name[len(prefix) :]
-            if member.islnk() and member.linkname.startswith(prefix):
-                member.linkname = member.linkname[len(prefix) :]
-            members.append(member)
-        tar.extractall(local, members=members, filter="data")
+def _extract_tree(archive: Any, top: str, local: Path, *, skip_unsafe: bool = False) -> None:
+    """Extract a directory's archive into ``local``, dropping the top component ``top``.
+
+    The engine archives the sandbox's own files, which a policy arranged: the archive is
+    unpacked as hostile (:mod:`runtimes._extract`), never trusting ``tarfile``'s filter.
+    """
+    extract_archive(archive, local, skip_unsafe=skip_unsafe, strip=top)
 
 
 def _single_file(response: requests.Response, path: str, limit: int) -> bytes:
@@ -967,6 +943,7 @@ class DockerRuntime(Runtime):
         self._holds_slot = False
         self._default_user: str | None = self.config.user
         self._files_as_root = True
+        self._policy = PolicyAccount(self.config.policy_user or DEFAULT_POLICY_USER)
         self._orphans: set[int] = set()
         """Process groups whose kill could not be delivered (the container was paused, the
         engine did not answer): killed before the next command, or on close."""
@@ -978,6 +955,8 @@ class DockerRuntime(Runtime):
                 kill_group=self._kill_group,
                 lost_means_dead=self._died_with_container,
                 probe_dead=self._stopped,
+                verify_agent=self._verify_agent_files,
+                verify_first=self._verify_attached_python,
             ),
             stall_timeout=self.config.api_timeout,
         )
@@ -991,6 +970,15 @@ class DockerRuntime(Runtime):
     def channel_info(self) -> ChannelInfo:
         """The state of the persistent channel (``docs/channel.md``)."""
         return self._channels.info
+
+    @property
+    def policy_user(self) -> str | None:
+        """``policy_user`` (``vf-policy`` by default) in a container this runtime created
+        whose default user is root; ``None`` otherwise (an attached container is not ours to
+        add accounts to; a non-root default user cannot become another)."""
+        if not self._owned or not self.config.policy_user:
+            return None
+        return self.config.policy_user if _is_root_user(self._default_user) else None
 
     @property
     def attached(self) -> bool:
@@ -1301,17 +1289,17 @@ class DockerRuntime(Runtime):
         if not self._owned:
             return await super().stop_processes()
         self._check_open()
-        agent = self._channels.info.agent_pid  # docker exec made it a session leader
+        # Every exec is a session of its own (docker exec calls setsid); the keep-alive and
+        # init are session 1. So in an owned container "every process not in session 1" is
+        # exactly what commands started, including daemons that double-forked or scrubbed
+        # their environment. The agent (a session leader, by docker exec) is spared.
+        agent = self._channels.info.agent_pid
         request, sink = self._request(
-            ["sh", "-c", _STOP_ALL_SCRIPT, "sh", str(agent or "")], user="0"
+            sweep_argv("all", f"{MARK_VAR}={self._mark}", keep=agent), user="0"
         )
         with self._guard("stop_processes"):
             code = await self._run(request, sink)
-        text = bytes(sink.stdout).decode("utf-8", "replace").strip()
-        if code != 0 or not text.isdigit():
-            detail = bytes(sink.stderr).decode("utf-8", "replace").strip()
-            raise SandboxError(f"{self.describe()}: could not stop processes: {detail}")
-        return int(text)
+        return self._swept(code, sink)
 
     # ------------------------------------------------------------------ exec
 
@@ -1350,7 +1338,15 @@ class DockerRuntime(Runtime):
             )
         if self._orphans:
             await self._kill_orphans()
+        if request.user is not None and request.user == self.policy_user:
+            await self._policy.ensure(self._run_as_root, self.workdir)
         return await self._channels.exec(request, sink, lambda: self._run(request, sink))
+
+    async def _run_as_root(self, argv: list[str]) -> tuple[int, bytes]:
+        request, sink = self._request(argv, user="0")
+        return await self._channels.exec(request, sink, lambda: self._run(request, sink)), bytes(
+            sink.stderr
+        )
 
     async def _run(self, request: ExecRequest, sink: OutputSink) -> int:
         """Run a command (the runtime's own ones too, which may use root)."""
@@ -1515,8 +1511,9 @@ class DockerRuntime(Runtime):
             )
         return int(code)
 
-    async def _open_agent_stream(self) -> ChannelTransport:
-        """Start the channel agent with stdin attached (as the sandbox's default user)."""
+    async def _open_agent_stream(self, interpreter: str | None = None) -> ChannelTransport:
+        """Start the channel agent with stdin attached (as the sandbox's default user);
+        ``interpreter``: the absolute path pinned at the first start (no shell, no PATH)."""
         import docker.errors
 
         api = self._require_client().api
@@ -1525,7 +1522,7 @@ class DockerRuntime(Runtime):
         def open_stream() -> _Hijacked:
             created = api.exec_create(
                 cid,
-                agent_command(),
+                agent_command(interpreter),
                 stdin=True,
                 stdout=True,
                 stderr=True,
@@ -1543,6 +1540,35 @@ class DockerRuntime(Runtime):
                 f"{self.describe()}: the engine refused the channel agent: {_api_message(exc)}"
             ) from exc
         return _AgentStream(hijacked)
+
+    async def _verify_agent_files(self, digests: Mapping[str, bytes]) -> str | None:
+        """Before the channel agent restarts: the engine's own diff of the container against
+        its image (no sandbox code runs) shows no change to the files the first agent ran
+        from, to the dynamic loader's configuration, or to a shared library. The image is
+        trusted; whatever a command changed in those places is not."""
+        return _untrusted_change(await self._changed_paths(), digests)
+
+    async def _changed_paths(self) -> list[str]:
+        """What the engine's diff of the container against its image lists, sorted."""
+        api = self._require_client().api
+        cid = self._require_id()
+        changes = await _blocking(lambda: api.diff(cid), self.config, idempotent=True)
+        return sorted(str(change.get("Path", "")) for change in changes or [])
+
+    async def _verify_attached_python(self) -> str | None:
+        """Before the first agent starts in a container this runtime did not create
+        (commands may have run there: a rollout's): no ``python*`` anywhere and no system
+        library changed since the image (the engine's diff). A container of our own is new."""
+        if self._owned:
+            return None
+        changed = await self._changed_paths()
+        reason = _untrusted_change(changed, {})
+        if reason is not None:
+            return reason
+        for path in changed:
+            if posixpath.basename(path).startswith("python"):
+                return f"{path} changed in the container (python3 on PATH may not be the image's)"
+        return None
 
     async def _stopped(self) -> bool:
         """The channel's probe during a silence: stopped, paused or removed."""
@@ -1766,24 +1792,24 @@ class DockerRuntime(Runtime):
 
         await _blocking(upload, self.config)
 
-    async def _download(self, remote: str, local: Path) -> None:
+    async def _download(self, remote: str, local: Path, *, skip_unsafe: bool = False) -> None:
         if not self._files_as_root:
-            await super()._download(remote, local)
+            await super()._download(remote, local, skip_unsafe=skip_unsafe)
             return
         await _blocking(
-            lambda: self._download_blocking(remote, local), self.config, idempotent=True
+            lambda: self._download_blocking(remote, local, skip_unsafe),
+            self.config,
+            idempotent=True,
         )
 
-    def _download_blocking(self, remote: str, local: Path) -> None:
+    def _download_blocking(self, remote: str, local: Path, skip_unsafe: bool = False) -> None:
         self._check_running_blocking()
         target, stat = self._resolved_stat_blocking(remote)
         if stat is None:
             raise SandboxFileNotFoundError(remote)
         limit = self.config.read_limit
         if not _is_dir(stat):
-            data = self._read_blocking(target, limit)
-            local.parent.mkdir(parents=True, exist_ok=True)
-            local.write_bytes(data)
+            _write_local_file(local, self._read_blocking(target, limit))
             return
         api = self._require_client().api
         response = api.get(self._archive_url(), params={"path": target}, stream=True, headers=_RAW)
@@ -1797,7 +1823,8 @@ class DockerRuntime(Runtime):
                     raise OutputLimitExceededError(f"download of {remote!r}", limit, path=remote)
                 spool.write(chunk)
             spool.seek(0)
-            _extract_tree(spool, posixpath.basename(target.rstrip("/")) or ".", local)
+            top = posixpath.basename(target.rstrip("/")) or "."
+            _extract_tree(spool, top, local, skip_unsafe=skip_unsafe)
 
     # ------------------------------------------------------------------ files as a non-root user
 
@@ -1878,6 +1905,52 @@ class DockerRuntime(Runtime):
                 ) from exc
 
         await _blocking(remove, cfg, idempotent=True)
+
+
+_LIBRARY_DIRS = (
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/usr/lib",
+    "/usr/lib32",
+    "/usr/lib64",
+    "/usr/local/lib",
+)
+
+
+def _untrusted_change(changed: list[str], digests: Mapping[str, bytes]) -> str | None:
+    """Why the container's changes (sorted paths, the engine's diff) make the channel agent's
+    files untrustworthy, or ``None``."""
+    for path in changed:
+        if path in digests:
+            return f"{path} changed in the container"
+    # Leaves only: a directory listed because something under it changed says nothing.
+    parents = set()
+    for path in changed:
+        parent = posixpath.dirname(path)
+        while parent not in parents and parent != "/":
+            parents.add(parent)
+            parent = posixpath.dirname(parent)
+    for path in changed:
+        if path not in parents and _protected_system_path(path):
+            return f"{path} changed in the container"
+    return None
+
+
+def _protected_system_path(path: str) -> bool:
+    """A path whose change makes the channel agent's interpreter untrustworthy: a shared
+    library or the Python standard library (site-/dist-packages aside: ``-I -S`` never
+    imports from them), the dynamic loader's configuration, a ``python`` binary."""
+    if path.startswith("/etc/ld.so"):
+        return True
+    name = posixpath.basename(path)
+    if posixpath.dirname(path) in ("/bin", "/usr/bin", "/usr/local/bin") and name.startswith(
+        "python"
+    ):
+        return True
+    if not any(path == d or path.startswith(d + "/") for d in _LIBRARY_DIRS):
+        return False
+    return "/site-packages" not in path and "/dist-packages" not in path
 
 
 async def _send_stdin(channel: _Channel, data: bytes) -> None:

@@ -18,6 +18,7 @@ import errno as _errno
 from typing import ClassVar
 
 __all__ = [
+    "ChannelTamperedError",
     "ExecTimeoutError",
     "OutputLimitExceededError",
     "ProvisioningError",
@@ -30,6 +31,7 @@ __all__ = [
     "SandboxPermissionError",
     "SandboxTransportError",
     "SandboxUnavailableError",
+    "UnsafeArchiveMemberError",
     "error_for_errno",
 ]
 
@@ -192,8 +194,40 @@ class SandboxTransportError(SandboxError, ConnectionError):
     """
 
 
+class ChannelTamperedError(SandboxTransportError):
+    """The persistent channel to the sandbox's agent carried something the agent did not
+    send, or that it may not send (a frame failing authentication, an oversize frame,
+    more data than the request allows): something inside the sandbox tampered with it.
+
+    The request fails (it is not retried through the channel); the channel is closed for
+    the sandbox's life and later calls take the backend's plain path
+    (``runtime.channel_info.state == "distrusted"``, ``reason`` says why).
+    """
+
+
 class ProvisioningError(SandboxError):
     """The sandbox could not be created: image missing, quota, authentication, bad host."""
+
+
+class UnsafeArchiveMemberError(SandboxError):
+    """A directory download's archive holds a member that would not stay inside the
+    destination, or that the host refuses to create.
+
+    The archive was produced inside the sandbox, which may be hostile: an absolute or
+    ``..`` name, a symlink whose target is absolute or climbs out of the destination, a
+    path through a symlink, a hard link to anything not extracted by this download, a
+    device or FIFO, or more members (or deeper paths) than the extractor allows.
+    ``member`` is the member's name as the archive spells it, ``reason`` says why.
+    Nothing outside the destination was created or changed.
+    """
+
+    def __init__(self, member: str, reason: str):
+        self.member = member
+        self.reason = reason
+        super().__init__(f"unsafe archive member {member!r}: {reason}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.member, self.reason))
 
 
 _ERRNO_CLASSES: dict[int, type[_SandboxOSError]] = {

@@ -46,7 +46,7 @@ import math
 import secrets as _secrets
 import shlex
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -62,13 +62,14 @@ from tenacity import (
 )
 
 from . import limits, session
-from .base import Runtime, live_runtimes
+from .base import CLOCK_TICK_SCRIPT, MARK_VAR, Runtime, live_runtimes, sweep_argv
 from .channel import (
     ChannelHooks,
     ChannelInfo,
     ChannelSupervisor,
     ChannelTransport,
     agent_command,
+    verify_by_reading,
 )
 from .config import RuntimeConfig, absolute_workdir
 from .errors import (
@@ -87,6 +88,7 @@ from .errors import (
     error_for_errno,
 )
 from .models import ExecRequest, MiB, OutputSink, SandboxInfo, Stream
+from .policy import DEFAULT_POLICY_USER, PolicyAccount, validate_policy_user
 
 log = logging.getLogger("runtimes.modal")
 
@@ -289,10 +291,13 @@ class ModalConfig(RuntimeConfig):
     creations_per_second: float | None = Field(default=None, gt=0)
     create_attempts: int = Field(default=6, ge=1, le=20)
     create_timeout: float = Field(default=600.0, gt=0)
+    policy_user: str | None = DEFAULT_POLICY_USER
     channel: bool = Field(
         default=True,
         description="run commands and files through a persistent in-sandbox agent (python3)",
     )
+
+    _plain_policy_user = field_validator("policy_user")(validate_policy_user)
 
     @model_validator(mode="before")
     @classmethod
@@ -458,6 +463,10 @@ class ModalRuntime(Runtime):
         self._sandbox: Any = None
         self._sandbox_id: str | None = None
         self._holds_slot = False
+        self._policy = PolicyAccount(self.config.policy_user or DEFAULT_POLICY_USER)
+        self._started_at: int | None = None
+        """Clock tick at which the sandbox became ours: every process that started later
+        is a command's (``stop_processes``)."""
         self._channels = ChannelSupervisor(
             self.config.channel,
             self.describe,
@@ -466,6 +475,7 @@ class ModalRuntime(Runtime):
                 kill_group=self._kill_group_plainly,
                 lost_means_dead=self._finished,
                 probe_dead=self._finished,
+                verify_agent=self._verify_agent_files,
             ),
         )
 
@@ -630,7 +640,32 @@ class ModalRuntime(Runtime):
                 f"{self.describe()}: cannot create the workdir {workdir!r}: {exc}"
             ) from exc
         await self._channels.start()
+        self._started_at = await self._clock_tick(workdir)
         return workdir
+
+    async def _clock_tick(self, workdir: str) -> int:
+        """The sandbox's clock tick now (see :data:`~runtimes.base.CLOCK_TICK_SCRIPT`).
+
+        Raises:
+            ProvisioningError: the sandbox cannot run ``sh`` or has no ``/proc``.
+        """
+        request, sink = self._internal(["sh", "-c", CLOCK_TICK_SCRIPT])
+        code = await self._exec(request, sink)
+        text = bytes(sink.stdout).decode("utf-8", "replace").strip()
+        if code != 0 or not text.isdigit():
+            detail = bytes(sink.stderr).decode("utf-8", "replace").strip()
+            raise ProvisioningError(f"{self.describe()}: cannot read /proc ({code}): {detail}")
+        return int(text)
+
+    def _sweep_argv(self) -> list[str]:
+        """Every process that started after the sandbox became ours: Modal gives the sandbox
+        a pid namespace of its own, so anything newer is a command's, however it detached
+        itself (``setsid``, ``env -i``). The channel agent's session is spared."""
+        mark = f"{MARK_VAR}={self._mark}"
+        if self._started_at is None:
+            return sweep_argv("mark", mark)
+        agent = self._channels.info.agent_pid
+        return sweep_argv(f"since:{self._started_at}", mark, keep=agent)
 
     async def _close(self) -> None:
         await self._channels.close()
@@ -824,17 +859,48 @@ class ModalRuntime(Runtime):
 
     # ------------------------------------------------------------------ exec
 
+    @property
+    def policy_user(self) -> str | None:
+        """``policy_user`` (``vf-policy`` by default), made on first use: Modal sandboxes
+        run as root, so the policy's account is always apart from the machinery's."""
+        return self.config.policy_user
+
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
         self._live_sandbox()
+        if request.user is not None and request.user == self.policy_user:
+            await self._policy.ensure(self._run_as_root, self.workdir)
         return await self._channels.exec(request, sink, lambda: self._plain_exec(request, sink))
 
-    async def _open_agent(self) -> ChannelTransport:
-        """Start the channel agent: one exec with stdin, for the sandbox's lifetime."""
+    async def _run_as_root(self, argv: list[str]) -> tuple[int, bytes]:
+        request, sink = self._internal(argv)
+        return await self._exec(request, sink), bytes(sink.stderr)
+
+    async def _open_agent(self, interpreter: str | None = None) -> ChannelTransport:
+        """Start the channel agent: one exec with stdin, for the sandbox's lifetime;
+        ``interpreter``: the absolute path pinned at the first start (no shell, no PATH)."""
         sandbox = self._live_sandbox()
+        argv = agent_command(interpreter)
         process = await self._sdk(
-            "exec", "the channel agent", lambda: _call(sandbox.exec, *agent_command(), text=False)
+            "exec", "the channel agent", lambda: _call(sandbox.exec, *argv, text=False)
         )
         return _AgentProcess(process)
+
+    async def _verify_agent_files(self, digests: Mapping[str, bytes]) -> str | None:
+        """Before the channel agent restarts: the files the first agent ran from, read
+        again through the filesystem API (no command runs in the sandbox) and hashed."""
+
+        async def read(path: str) -> bytes | None:
+            try:
+                info = await self._files("stat", path, path)
+            except (SandboxFileNotFoundError, SandboxNotADirectoryError):
+                return None
+            kind = getattr(info.type, "value", info.type)
+            if kind != "file":
+                raise SandboxError(f"{path!r} is a {kind}, not the file it was")
+            data: bytes = await self._files("read_bytes", path, path)
+            return data
+
+        return await verify_by_reading(read, digests)
 
     async def _kill_group_plainly(self, pgid: int) -> None:
         """The channel's fallback kill, when its agent died holding a process group."""

@@ -40,7 +40,7 @@ import signal
 import socket
 import stat
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -51,7 +51,7 @@ import anyio.to_thread
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from . import session
-from .base import Runtime
+from .base import MARK_VAR, Runtime, sweep_argv
 from .channel import (
     BOOTSTRAP,
     PROBE,
@@ -59,6 +59,7 @@ from .channel import (
     ChannelInfo,
     ChannelSupervisor,
     ChannelTransport,
+    verify_by_reading,
 )
 from .config import RuntimeConfig
 from .errors import (
@@ -75,6 +76,7 @@ from .errors import (
     error_for_errno,
 )
 from .models import ExecRequest, MiB, OutputSink, SandboxInfo, Stream
+from .policy import PolicyAccount, validate_policy_user
 
 if TYPE_CHECKING:
     import paramiko
@@ -163,6 +165,12 @@ class SSHConfig(RuntimeConfig):
     (``mktemp -d``) and removed on close; a given ``workdir`` is created if missing and
     left in place. ``max_channels`` caps concurrent SSH channels on the connection
     (OpenSSH's ``MaxSessions`` defaults to 10); three are kept for SFTP and control.
+
+    ``policy_user``: an existing account of the host that a rollout's policy runs as
+    (``exec(user=rt.policy_user)``), apart from the root login the host's machinery uses;
+    it is handed the workdir on first use. ``stop_processes`` kills every process of that
+    account, so give each live sandbox an account of its own. Unset (the default), the
+    policy runs as the login user (``docs/security.md``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
@@ -187,6 +195,7 @@ class SSHConfig(RuntimeConfig):
         description="seconds without progress before a file or control call fails",
     )
     max_channels: int = Field(default=10, ge=4)
+    policy_user: str | None = None
     channel: bool = Field(
         default=True,
         description="run commands and files through a persistent agent (python3 on the host); "
@@ -199,6 +208,14 @@ class SSHConfig(RuntimeConfig):
         if value is not None:
             _parse_host_key_line(value)
         return value
+
+    _plain_policy_user = field_validator("policy_user")(validate_policy_user)
+
+    @model_validator(mode="after")
+    def _policy_needs_root(self) -> SSHConfig:
+        if self.policy_user is not None and self.username != "root":
+            raise ValueError("policy_user needs username 'root' (to switch users with runuser)")
+        return self
 
     @model_validator(mode="after")
     def _check_auth(self) -> SSHConfig:
@@ -700,10 +717,30 @@ class _AgentChannel(ChannelTransport):
         return self._channel.recv_stderr(4096).decode("utf-8", "replace").strip()[-500:]
 
 
-def _agent_command_line(marker: str) -> str:
-    """The agent's command for the login shell; the marker lets close() find it."""
+def _agent_command_line(marker: str, interpreter: str | None = None) -> str:
+    """The agent's command for the login shell; the marker lets close() find it. Later
+    starts run the interpreter pinned at the first one, by absolute path."""
     q = shlex.quote
+    if interpreter is not None:
+        return f"export {_MARKER_VAR}={q(marker)}; exec {q(interpreter)} -I -S -B -c {q(BOOTSTRAP)}"
     return f"export {_MARKER_VAR}={q(marker)}; exec sh -c {q(PROBE)} sh {q(BOOTSTRAP)}"
+
+
+_VERIFY_LIMIT = 256 * 1024 * 1024
+"""Bytes a file the channel agent runs from may have, when it is read to be verified."""
+
+
+def _sftp_read_or_none(sftp: paramiko.SFTPClient, path: str) -> bytes | None:
+    """A file's bytes through SFTP (no shell, no command), ``None`` if it is not there."""
+    try:
+        sftp.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno is None or exc.errno in (errno.ENOENT,):
+            return None
+        raise
+    return _sftp_read(sftp, path, _VERIFY_LIMIT)
 
 
 class _RemoteCommand:
@@ -1056,19 +1093,16 @@ command -v setsid; command -v env; command -v runuser || echo
 """
 
 
-def _kill_script(pgids: Iterable[int], marker: str | None) -> str:
-    """Kill process groups and every process whose environment carries the marker."""
+def _kill_script(pgids: Iterable[int], marker: str | None, home: str | None = None) -> str:
+    """Kill process groups, and sweep (freeze, then kill) every process whose environment
+    carries the marker or whose working directory is ``home``."""
     groups = " ".join(f"-{int(pgid)}" for pgid in sorted(set(pgids)))
     lines = []
     if groups:
         lines.append(f"kill -s KILL -- {groups} 2>/dev/null")
     if marker:
-        entry = shlex.quote(f"{_MARKER_VAR}={marker}")
-        lines.append(
-            f"for i in 1 2; do for p in $(grep -lsxzF -e {entry} /proc/[0-9]*/environ | "
-            "sed -n 's|^/proc/\\([0-9]*\\)/environ$|\\1|p'); do kill -s KILL \"$p\" 2>/dev/null; "
-            "done; done"
-        )
+        sweep = sweep_argv("mark", f"{_MARKER_VAR}={marker}", home=home)
+        lines.append(f"{shlex.join(sweep)} >/dev/null 2>&1")
     lines.append("true")
     return "\n".join(lines) + "\n"
 
@@ -1137,6 +1171,7 @@ class SSHRuntime(Runtime):
         self._dir: str | None = None
         self._tools: _Tools | None = None
         self._owns_workdir = True
+        self._policy = PolicyAccount(self.config.policy_user or "", create=False)
         self._forwards: dict[int, _Forward] = {}
         self._connect_lock: anyio.Lock | None = None
         self._sftp_lock: anyio.Lock | None = None
@@ -1153,10 +1188,21 @@ class SSHRuntime(Runtime):
                 open_transport=self._open_agent,
                 kill_group=self._kill_group_plainly,
                 lost_means_dead=_never,
+                verify_agent=self._verify_agent_files,
             ),
             stall_timeout=self.config.io_timeout,
             kill_wait=self._kill_wait,
         )
+
+    def _sweep_argv(self) -> list[str]:
+        """Processes carrying the runtime's mark or working in a workdir of the sandbox's
+        own; the channel agent's session is spared. Other processes of the login user are
+        not the sandbox's: a leftover that scrubbed its environment and left the workdir is
+        beyond reach (``docs/security.md``)."""
+        home = self._workdir if self._owns_workdir else None
+        agent = self._channels.info.agent_pid
+        mark = f"{MARK_VAR}={self._mark}"
+        return sweep_argv("mark", mark, keep=agent, user=self.policy_user, home=home)
 
     @property
     def channel_info(self) -> ChannelInfo:
@@ -1234,7 +1280,7 @@ class SSHRuntime(Runtime):
 
     async def _remove_remote(self) -> None:
         assert self._dir is not None
-        script = _kill_script([], self._marker) + _remove_script(self._dir)
+        script = _kill_script([], self._marker, f"{self._dir}/work") + _remove_script(self._dir)
         try:
             code, _, err = await self._control(script)
         except (SandboxUnavailableError, ProvisioningError) as exc:
@@ -1261,7 +1307,9 @@ class SSHRuntime(Runtime):
             if self._dir is not None:
                 if conn is None or not conn.usable():
                     conn = self._open_connection()
-                script = _kill_script([], self._marker) + _remove_script(self._dir)
+                script = _kill_script([], self._marker, f"{self._dir}/work") + _remove_script(
+                    self._dir
+                )
                 _run_control(conn.transport, script, None, self.config.io_timeout)
         finally:
             if conn is not None:
@@ -1417,7 +1465,15 @@ class SSHRuntime(Runtime):
             )
         return user
 
+    @property
+    def policy_user(self) -> str | None:
+        """``policy_user`` of the config (root logins only)."""
+        return self.config.policy_user
+
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
+        if request.user is not None and request.user == self.policy_user:
+            through = self._dir if self._owns_workdir else ""
+            await self._policy.ensure(self._run_as_root, self.workdir, through or "")
         run_as = self._run_as(request)
         _check_argv_size(request)
         assert self._marker is not None
@@ -1430,7 +1486,20 @@ class SSHRuntime(Runtime):
             {_MARKER_VAR: self._marker},
         )
 
-    async def _open_agent(self) -> ChannelTransport:
+    async def _run_as_root(self, argv: list[str]) -> tuple[int, bytes]:
+        request, sink = self._internal(argv)
+        return await self._exec(request, sink), bytes(sink.stderr)
+
+    async def _verify_agent_files(self, digests: Mapping[str, bytes]) -> str | None:
+        """Before the channel agent restarts: the files the first agent ran from, read
+        again through SFTP (the server's file access, no shell) and hashed."""
+
+        async def read(path: str) -> bytes | None:
+            return await self._retrying(self._sftp_call, _sftp_read_or_none, path)
+
+        return await verify_by_reading(read, digests)
+
+    async def _open_agent(self, interpreter: str | None = None) -> ChannelTransport:
         """Start the channel agent on a channel of its own (stdin attached)."""
         import paramiko
 
@@ -1440,7 +1509,7 @@ class SSHRuntime(Runtime):
             await self._thread(
                 _start_command,
                 channel,
-                _agent_command_line(self._marker),
+                _agent_command_line(self._marker, interpreter),
                 False,
                 self.config.io_timeout,
             )
@@ -1634,8 +1703,13 @@ class SSHRuntime(Runtime):
     async def _remove(self, path: str) -> None:
         await self._channels.remove(path, lambda: super(SSHRuntime, self)._remove(path))
 
-    async def _download(self, remote: str, local: Path) -> None:
-        await self._retrying(super()._download, remote, local)
+    async def _download(self, remote: str, local: Path, *, skip_unsafe: bool = False) -> None:
+        parent = super()._download
+
+        async def download() -> None:
+            await parent(remote, local, skip_unsafe=skip_unsafe)
+
+        await self._retrying(download)
 
     # ------------------------------------------------------------------ port forwarding
 
@@ -1756,7 +1830,8 @@ class SSHRuntime(Runtime):
             raise SandboxInvalidArgumentError("destroying an ssh sandbox needs its SSHConfig")
         if not _valid_sandbox_dir(info.id):
             raise SandboxInvalidArgumentError(f"not an ssh sandbox directory: {info.id!r}")
-        script = _kill_script([], posixpath.basename(info.id)) + _remove_script(info.id)
+        script = _kill_script([], posixpath.basename(info.id), f"{info.id}/work")
+        script += _remove_script(info.id)
         code, _, err = await _one_shot(config, script)
         if code != 0:
             raise SandboxTransportError(
