@@ -550,6 +550,8 @@ class InstalledHarness(Harness):
         run_dir = f"{self.agent_dir}/runs/{secrets.token_hex(8)}"
         made = await runtime.exec(["mkdir", "-p", run_dir])
         if made.exit_code == 0 and self.config.user is not None:
+            if self.config.user == runtime.policy_user:
+                await runtime.prepare_policy_user()
             made = await runtime.exec(["chown", "--", f"{self.config.user}:", run_dir])
         if made.exit_code != 0:
             raise HarnessInstallError(f"cannot create the run directory {run_dir}: {made.stderr}")

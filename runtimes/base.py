@@ -293,6 +293,18 @@ class Runtime(abc.ABC):
         """
         return None
 
+    async def prepare_policy_user(self) -> str | None:
+        """Make the policy's account now (where it is made on first use) and hand it the
+        workdir, as its first command would; return :attr:`policy_user`. Lets the host
+        give the account something by name (``chown``) before the policy runs.
+
+        Raises:
+            ProvisioningError: the account could not be made.
+        """
+        if self.policy_user is not None:
+            await self.exec(["true"], user=self.policy_user, timeout=60)
+        return self.policy_user
+
     async def alive(self) -> bool:
         """Whether the sandbox answers. Never raises for a dead or closed sandbox.
 

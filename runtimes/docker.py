@@ -1550,9 +1550,14 @@ class DockerRuntime(Runtime):
 
     async def _changed_paths(self) -> list[str]:
         """What the engine's diff of the container against its image lists, sorted."""
+        import docker.errors
+
         api = self._require_client().api
         cid = self._require_id()
-        changes = await _blocking(lambda: api.diff(cid), self.config, idempotent=True)
+        try:
+            changes = await _blocking(lambda: api.diff(cid), self.config, idempotent=True)
+        except docker.errors.NotFound as exc:
+            raise self._gone_error(exc) from None
         return sorted(str(change.get("Path", "")) for change in changes or [])
 
     async def _verify_attached_python(self) -> str | None:

@@ -17,6 +17,7 @@ glob never touches another test's judge).
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,7 +149,7 @@ async def test_detached_writer_forked_by_the_policys_program(
         runs, error = await judge_once(rt, bash_judge(judge), models)
         assert error is None, error
         # control: the writer was alive after the judge had written its verdict
-        assert "writers=1" in tool_output(runs[0], 0)
+        assert re.search(r"writers=[1-9]", tool_output(runs[0], 0)), "control: no writer ran"
         assert runs[0].verdict == {"passed": False}, "the policy's writer forged the verdict"
         assert await forged(rt) == []
 
@@ -170,7 +171,7 @@ async def test_writer_started_in_an_earlier_judge_command(
         await plant_policy(rt, hostile, detached(1.0, judge))
         runs, error = await judge_once(rt, bash_judge(judge), models)
         assert error is None, error
-        assert "writers=1" in tool_output(runs[0], 0)
+        assert re.search(r"writers=[1-9]", tool_output(runs[0], 0)), "control: no writer ran"
         assert runs[0].verdict == {"passed": False}
         assert await forged(rt) == []
 
@@ -258,7 +259,7 @@ async def test_program_run_by_one_judge_cannot_forge_the_next_judges_verdict(
             models=models,
             runtime=rt,
         )
-        assert "writers=1" in tool_output(runs[0], 0)
+        assert re.search(r"writers=[1-9]", tool_output(runs[0], 0)), "control: no writer ran"
         assert [r.verdict for r in runs] == [{"passed": False}, {"passed": False}]
         assert await forged(rt) == []
 

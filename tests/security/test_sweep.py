@@ -13,7 +13,7 @@ import pytest
 
 from runtimes import Runtime, open_runtime
 
-from .conftest import Hostile
+from .conftest import TARGET_IDS, Hostile
 
 pytestmark = pytest.mark.anyio
 
@@ -78,7 +78,11 @@ async def test_a_setsid_daemon_with_an_empty_environment_is_swept(hostile: Hosti
         await assert_swept(rt, SCRUBBED_DAEMON, hostile.user)
 
 
+# Not the subprocess runtime: there a loop that scrubbed its environment and calls setsid
+# each generation is caught by a race the sweep wins in practice, not by construction (it
+# lost once on a loaded machine); docs/security.md says so.
 @pytest.mark.attack(6)
+@pytest.mark.parametrize("hostile", [t for t in TARGET_IDS if t != "subprocess"], indirect=True)
 async def test_a_scrubbed_fork_loop_is_swept(hostile: Hostile) -> None:
     async with open_runtime(hostile.config) as rt:
         await assert_swept(rt, SCRUBBED_FORK_LOOP, hostile.user)
