@@ -323,6 +323,10 @@ async def test_close_kills_a_setsid_leftover(tmp_path: Path, reaper: Reaper) -> 
     token = reaper.token()
     async with open_runtime(SubprocessConfig(root=str(tmp_path))) as rt:
         await rt.exec(["sh", "-c", f"setsid sleep {token} >/dev/null 2>&1 </dev/null &"])
+        for _ in range(100):  # the shell returns before the backgrounded sleep has exec'd
+            if reaper.pids(token):
+                break
+            await anyio.sleep(0.05)
         [pid] = reaper.pids(token)
         assert isinstance(rt, SubprocessRuntime)
         assert _session(pid) not in rt._sessions  # control: it left every session we made
