@@ -469,6 +469,9 @@ class Exec:
             if self.stdin is not None:
                 self.stdin.put(None)  # ends the stdin pump if the host never sent EOF
             code = 128 - code if code < 0 else code
+            # Off the books before the host hears of the exit: a host that then goes away
+            # (stdin EOF) must not have the command's background processes killed.
+            self.agent.finish(self.rid)
             self.agent.out.send(EXIT, self.rid, I32.pack(code), before=self.take_start())
         finally:
             self.release()
