@@ -45,6 +45,7 @@ from .errors import (
     SandboxUnavailableError,
 )
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
+from .policy import PolicyAccount
 
 log = logging.getLogger("runtimes")
 
@@ -190,6 +191,7 @@ class Runtime(abc.ABC):
         self._state = _NEW
         self._workdir: str | None = None
         self._mark = uuid.uuid4().hex
+        self._policy_account = PolicyAccount()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -345,6 +347,8 @@ class Runtime(abc.ABC):
             A non-zero exit is a result, not an error.
 
         Raises:
+            ProvisioningError: ``user`` is :attr:`policy_user` and its account could not be
+                made or found at its first use.
             ExecTimeoutError: ``timeout`` expired; the tree was killed; partial output attached.
             OutputLimitExceededError: output went over the cap; the tree was killed;
                 the output kept so far is attached.
@@ -359,6 +363,14 @@ class Runtime(abc.ABC):
         """
         self._check_open()
         request = self._exec_request(argv, timeout, cwd, env, stdin, user, output_limit)
+        if request.user is not None and request.user == self.policy_user:
+            await self._policy_account.ensure(
+                request.user,
+                self._run_as_machinery,
+                self.workdir,
+                create=self._creates_policy_user,
+                through=self._policy_passage(),
+            )
         started = time.monotonic()
         sink = OutputSink(request.output_limit)
         with anyio.CancelScope() as scope:
@@ -622,6 +634,20 @@ class Runtime(abc.ABC):
             timeout=timeout,
             output_limit=limit,
         )
+
+    _creates_policy_user: ClassVar[bool] = True
+    """Whether a missing policy account is added to the sandbox (ours) or refused (a host
+    whose accounts are not ours to make)."""
+
+    def _policy_passage(self) -> str:
+        """A directory above the workdir the policy account must be able to pass, or ""."""
+        return ""
+
+    async def _run_as_machinery(self, argv: list[str]) -> tuple[int, bytes]:
+        request, sink = self._internal(argv)
+        with self._guard("preparing the policy's account"):
+            code = await self._exec(request, sink)
+        return code, bytes(sink.stderr)
 
     def _check_open(self) -> None:
         if self._state != _OPEN:

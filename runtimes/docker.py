@@ -75,7 +75,7 @@ from .errors import (
 )
 from .limits import creation_rate, live_cap
 from .models import ExecRequest, MiB, OutputSink, SandboxInfo, Stream
-from .policy import DEFAULT_POLICY_USER, PolicyAccount, validate_policy_user
+from .policy import DEFAULT_POLICY_USER, validate_policy_user
 
 if TYPE_CHECKING:
     import docker
@@ -943,7 +943,6 @@ class DockerRuntime(Runtime):
         self._holds_slot = False
         self._default_user: str | None = self.config.user
         self._files_as_root = True
-        self._policy = PolicyAccount(self.config.policy_user or DEFAULT_POLICY_USER)
         self._orphans: set[int] = set()
         """Process groups whose kill could not be delivered (the container was paused, the
         engine did not answer): killed before the next command, or on close."""
@@ -1338,15 +1337,7 @@ class DockerRuntime(Runtime):
             )
         if self._orphans:
             await self._kill_orphans()
-        if request.user is not None and request.user == self.policy_user:
-            await self._policy.ensure(self._run_as_root, self.workdir)
         return await self._channels.exec(request, sink, lambda: self._run(request, sink))
-
-    async def _run_as_root(self, argv: list[str]) -> tuple[int, bytes]:
-        request, sink = self._request(argv, user="0")
-        return await self._channels.exec(request, sink, lambda: self._run(request, sink)), bytes(
-            sink.stderr
-        )
 
     async def _run(self, request: ExecRequest, sink: OutputSink) -> int:
         """Run a command (the runtime's own ones too, which may use root)."""

@@ -88,7 +88,7 @@ from .errors import (
     error_for_errno,
 )
 from .models import ExecRequest, MiB, OutputSink, SandboxInfo, Stream
-from .policy import DEFAULT_POLICY_USER, PolicyAccount, validate_policy_user
+from .policy import DEFAULT_POLICY_USER, validate_policy_user
 
 log = logging.getLogger("runtimes.modal")
 
@@ -463,7 +463,6 @@ class ModalRuntime(Runtime):
         self._sandbox: Any = None
         self._sandbox_id: str | None = None
         self._holds_slot = False
-        self._policy = PolicyAccount(self.config.policy_user or DEFAULT_POLICY_USER)
         self._started_at: int | None = None
         """Clock tick at which the sandbox became ours: every process that started later
         is a command's (``stop_processes``)."""
@@ -867,13 +866,7 @@ class ModalRuntime(Runtime):
 
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
         self._live_sandbox()
-        if request.user is not None and request.user == self.policy_user:
-            await self._policy.ensure(self._run_as_root, self.workdir)
         return await self._channels.exec(request, sink, lambda: self._plain_exec(request, sink))
-
-    async def _run_as_root(self, argv: list[str]) -> tuple[int, bytes]:
-        request, sink = self._internal(argv)
-        return await self._exec(request, sink), bytes(sink.stderr)
 
     async def _open_agent(self, interpreter: str | None = None) -> ChannelTransport:
         """Start the channel agent: one exec with stdin, for the sandbox's lifetime;

@@ -64,24 +64,26 @@ def validate_policy_user(value: str | None) -> str | None:
     return value
 
 
-RunAsRoot = Callable[[list[str]], Awaitable[tuple[int, bytes]]]
-"""Runs argv as root in the sandbox; returns the exit code and stderr."""
+RunAsMachinery = Callable[[list[str]], Awaitable[tuple[int, bytes]]]
+"""Runs argv as the sandbox's default user (root where there is a policy account);
+returns the exit code and stderr."""
 
 
 class PolicyAccount:
     """Makes the policy's account once per sandbox, before the first command that uses it."""
 
-    def __init__(self, name: str, *, create: bool = True) -> None:
-        self.name = name
-        self.create = create
-        """Add the account to ``/etc/passwd`` when missing (a sandbox of ours), or refuse
-        (a host we only borrow a directory of)."""
+    def __init__(self) -> None:
         self._ready = False
         self._lock = anyio.Lock()
 
-    async def ensure(self, run_as_root: RunAsRoot, workdir: str, through: str = "") -> None:
-        """Create the account and hand it the workdir, unless done already. ``through``: a
-        directory above the workdir the account must be able to pass (made ``o+x``).
+    async def ensure(
+        self, name: str, run: RunAsMachinery, workdir: str, *, create: bool, through: str = ""
+    ) -> None:
+        """Create the account ``name`` and hand it the workdir, unless done already.
+
+        ``create``: add the account to ``/etc/passwd`` when missing (a sandbox of ours), or
+        refuse (a host we only borrow a directory of). ``through``: a directory above the
+        workdir the account must be able to pass (made ``o+x``).
 
         Raises:
             ProvisioningError: the account is missing and may not be made, or could not be
@@ -90,15 +92,18 @@ class PolicyAccount:
         if self._ready:
             return
         async with self._lock:
-            if not self._ready:
-                await self._make(run_as_root, workdir, through)
+            if not self._ready:  # else a concurrent first use made it meanwhile
+                await _make(name, run, workdir, create=create, through=through)
                 self._ready = True
 
-    async def _make(self, run_as_root: RunAsRoot, workdir: str, through: str) -> None:
-        argv = [self.name, str(POLICY_UID), workdir, str(int(self.create)), through]
-        code, err = await run_as_root(["sh", "-c", _ENSURE, "sh", *argv])
-        if code != 0:
-            detail = err.decode("utf-8", "replace").strip() or f"exit status {code}"
-            raise ProvisioningError(
-                f"cannot prepare the policy's user {self.name!r} in the sandbox: {detail}"
-            )
+
+async def _make(
+    name: str, run: RunAsMachinery, workdir: str, *, create: bool, through: str
+) -> None:
+    argv = [name, str(POLICY_UID), workdir, str(int(create)), through]
+    code, err = await run(["sh", "-c", _ENSURE, "sh", *argv])
+    if code != 0:
+        detail = err.decode("utf-8", "replace").strip() or f"exit status {code}"
+        raise ProvisioningError(
+            f"cannot prepare the policy's user {name!r} in the sandbox: {detail}"
+        )

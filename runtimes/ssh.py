@@ -76,7 +76,7 @@ from .errors import (
     error_for_errno,
 )
 from .models import ExecRequest, MiB, OutputSink, SandboxInfo, Stream
-from .policy import PolicyAccount, validate_policy_user
+from .policy import validate_policy_user
 
 if TYPE_CHECKING:
     import paramiko
@@ -1171,7 +1171,6 @@ class SSHRuntime(Runtime):
         self._dir: str | None = None
         self._tools: _Tools | None = None
         self._owns_workdir = True
-        self._policy = PolicyAccount(self.config.policy_user or "", create=False)
         self._forwards: dict[int, _Forward] = {}
         self._connect_lock: anyio.Lock | None = None
         self._sftp_lock: anyio.Lock | None = None
@@ -1470,10 +1469,13 @@ class SSHRuntime(Runtime):
         """``policy_user`` of the config (root logins only)."""
         return self.config.policy_user
 
+    _creates_policy_user = False  # a host's accounts are not ours to make
+
+    def _policy_passage(self) -> str:
+        """The sandbox's private directory, above a workdir of its own (``mktemp -d``, 0700)."""
+        return (self._dir or "") if self._owns_workdir else ""
+
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
-        if request.user is not None and request.user == self.policy_user:
-            through = self._dir if self._owns_workdir else ""
-            await self._policy.ensure(self._run_as_root, self.workdir, through or "")
         run_as = self._run_as(request)
         _check_argv_size(request)
         assert self._marker is not None
@@ -1485,10 +1487,6 @@ class SSHRuntime(Runtime):
             lambda: self._plain_exec(request, sink, run_as),
             {_MARKER_VAR: self._marker},
         )
-
-    async def _run_as_root(self, argv: list[str]) -> tuple[int, bytes]:
-        request, sink = self._internal(argv)
-        return await self._exec(request, sink), bytes(sink.stderr)
 
     async def _verify_agent_files(self, digests: Mapping[str, bytes]) -> str | None:
         """Before the channel agent restarts: the files the first agent ran from, read
