@@ -4,7 +4,8 @@ The snapshot (task, trace) is taken once, before any judge runs, as exact bytes:
 judge reads the same ``task.json``, ``trace.json`` and ``transcript.md``. The input
 directory never lives in the rollout's workdir (the world being judged). Its ``<id>`` is
 generated and validated, and the directory must be fresh: a planted file, directory or
-symlink — at ``/tmp/vf-agent`` itself or at ``<id>`` — is refused.
+symlink — at ``/tmp/vf-agent`` itself or at ``<id>`` — is refused, and so is a
+``/tmp/vf-agent`` that another user (the policy's account) made before the judge came.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ set -u
 root="$1"; dir="$1/$2"
 if [ -L "$root" ]; then echo "symlink planted at $root" >&2; exit 3; fi
 if [ -e "$root" ] && [ ! -d "$root" ]; then echo "not a directory: $root" >&2; exit 3; fi
+if [ -d "$root" ]; then
+  owner=$(stat -c %u "$root") || exit 4
+  if [ "$owner" != 0 ] && [ "$owner" != "$(id -u)" ]; then
+    echo "$root belongs to uid $owner, not to root or the judge's user" >&2; exit 3
+  fi
+fi
 mkdir -p "$root" || exit 4
 chmod 1777 "$root" 2>/dev/null
 if [ -e "$dir" ] || [ -L "$dir" ]; then echo "already exists: $dir" >&2; exit 3; fi

@@ -318,12 +318,12 @@ async def run_judges(
         JudgingFailed: (when ``strict``) one or more judges failed; ``err.runs`` has all
             runs and ``err.exceptions`` the typed :class:`JudgeError` of each failure.
         PlacementConfigError: a rollout-placed judge needs a runtime and none was given.
-        SandboxError: stopping the policy's leftover processes failed.
+
+    Each rollout-placed judge first stops what the policy (or an earlier judge) left
+    running (:func:`run_agent`); a sweep that fails is that judge's ``JudgeSandboxLost``.
     """
     snapshot = Snapshot.take(task, trace)
     in_rollout = [j for j in judges if j.runtime_config() is None]
-    if runtime is not None and any(j.needs_runtime() for j in in_rollout):
-        await runtime.stop_processes()
     runs: dict[str, AgentRun] = {}
     failures: dict[str, JudgeError] = {}
 

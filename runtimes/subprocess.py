@@ -622,9 +622,13 @@ def _remove_sandbox_dir(directory: Path, identity: tuple[int, int] | None) -> No
         log.warning("could not remove all of %s: %s", directory, "; ".join(errors[:10]))
 
 
-def _unlink_at(dir_fd: int, name: str, shown: str, errors: list[str]) -> None:
+def _unlink_at(
+    dir_fd: int, name: str, shown: str, errors: list[str], *, directory: bool = False
+) -> None:
+    """Unlink ``name`` of ``dir_fd`` (an empty directory with ``directory``); gone already
+    is fine, any other failure is noted in ``errors``."""
     try:
-        os.unlink(name, dir_fd=dir_fd)
+        (os.rmdir if directory else os.unlink)(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
     except OSError as exc:
@@ -662,12 +666,7 @@ def _remove_tree_at(parent_fd: int, name: str, shown: str, errors: list[str]) ->
             stack.pop()
             os.close(fd)
             parent = stack[-1][0] if stack else parent_fd
-            try:
-                os.rmdir(own_name, dir_fd=parent)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                errors.append(f"{own_shown}: {exc.strerror}")
+            _unlink_at(parent, own_name, own_shown, errors, directory=True)
             continue
         entry = pending.pop()
         entry_shown = f"{own_shown}/{entry}"

@@ -24,6 +24,7 @@ import anyio
 
 import runtimes.channel as channel
 from runtimes import open_runtime
+from tests.reliability.memory_child import _reset_peak, _status_kib
 
 FLOOD = 768 * 1024 * 1024
 
@@ -82,19 +83,6 @@ def hostile_source(mode: str) -> bytes:
     assert anchor in real
     source = real.replace(anchor, PATCH.replace("{mode}", mode) + "\n\n" + anchor).encode()
     return b"%010d" % len(source) + source
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} is not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
 
 
 async def measure(config: dict[str, Any], mode: str) -> dict[str, Any]:

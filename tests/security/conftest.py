@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from tests.channel.conftest import sshd  # noqa: F401 - fixture (one server per module)
 from tests.docker.conftest import docker_client, no_leaks  # noqa: F401 - fixtures
 from tests.modal.support import fake_config, fake_modal, fake_service  # noqa: F401 - fixtures
-from tests.ssh.sshd import IMAGE as SSHD_IMAGE
-from tests.ssh.sshd import SSHServer, image_present
+from tests.ssh.sshd import SSHServer
 
 IMAGE = "vf-sandbox/base:bookworm"
 
@@ -95,14 +95,6 @@ def _target(request: pytest.FixtureRequest, name: str) -> Hostile:
 def hostile(request: pytest.FixtureRequest) -> Hostile:
     """A sandbox config to attack from inside, with the privilege the policy has there."""
     return _target(request, request.param)
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHServer]:
-    if not image_present():
-        pytest.fail(f"{SSHD_IMAGE} is missing: build it with `make images`")
-    with SSHServer(Path(tmp_path_factory.mktemp("sshd"))) as server:
-        yield server
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import pytest
 
 from harnesses.base import Trace
 from harnesses.scripted import bash_call, reply
+from placement.errors import JudgeInputsTampered, JudgingFailed
 from placement.run import run_agent, run_judges
 from placement.specs import AgentSpec, JudgeSpec
 from runtimes import Runtime, SandboxInvalidArgumentError, open_runtime
@@ -141,3 +142,36 @@ async def test_a_rollouts_policy_runs_as_the_policy_account_and_its_judge_as_roo
         )
         assert judged.verdict == {"passed": False}
         assert (await rt.read("/tmp/judge-who")).decode().strip() == "root"
+
+
+@pytest.mark.attack(2)
+@pytest.mark.parametrize("hostile", SEPARATED, indirect=True)
+async def test_an_inputs_root_made_by_the_policy_is_refused(
+    hostile: Hostile, scripted_models: ModelsFactory
+) -> None:
+    """/tmp is everyone's: the policy's account makes /tmp/vf-agent first, to own the place
+    where judges' inputs and verdicts will live. The judge is refused, typed."""
+    models = scripted_models({"j": [bash_call(WRITE_FALSE), reply("ok")]})
+    async with open_runtime(hostile.config) as rt:
+        made = await rt.exec(
+            ["sh", "-c", "mkdir -m 0777 /tmp/vf-agent && stat -c %U /tmp/vf-agent"],
+            user=rt.policy_user,
+        )
+        assert made.stdout.strip() == rt.policy_user, "control: the policy owns it"
+        with pytest.raises(JudgingFailed) as failed:
+            try:
+                await run_judges(
+                    [
+                        JudgeSpec(
+                            name="j", harness="bash", model="j", prompt="p", verdict_schema=SCHEMA
+                        )
+                    ],
+                    task=TASK,
+                    trace=Trace(harness="bash").finish("done"),
+                    models=models,
+                    runtime=rt,
+                )
+            finally:  # the SSH host outlives the sandbox
+                await rt.remove("/tmp/vf-agent")
+        [error] = failed.value.exceptions
+        assert isinstance(error, JudgeInputsTampered) and "belongs to uid" in str(error)
