@@ -22,6 +22,7 @@ from typing import Any
 from harnesses.errors import SessionSandboxLost, SessionVerifyError
 from harnesses.models import ModelEndpoint, ModelTable
 from harnesses.session import Verification, VerifyContext
+from runtimes.errors import SandboxError
 
 from .errors import JudgeSandboxLost, JudgingFailed
 from .run import AgentRun, run_judges
@@ -108,10 +109,14 @@ class JudgeVerifier:
             )
         except JudgingFailed as group:
             failures = "; ".join(str(e) for e in group.exceptions)
-            if any(isinstance(e, JudgeSandboxLost) for e in group.exceptions):
+            lost = [e for e in group.exceptions if isinstance(e, JudgeSandboxLost)]
+            if lost:
+                # Chained from the runtime's own error (SandboxUnavailableError, ...) when
+                # there is one, so callers see why; the group stays as __context__.
+                cause = lost[0].__cause__
                 raise SessionSandboxLost(
                     f"judging lost the sandbox: {failures}", rollout_id=context.rollout_id
-                ) from group
+                ) from (cause if isinstance(cause, SandboxError) else group)
             raise SessionVerifyError(
                 f"judging failed: {failures}", rollout_id=context.rollout_id
             ) from group

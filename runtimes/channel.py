@@ -328,9 +328,11 @@ class Channel:
         self._loop, self._call_soon = _loop_handle()
         self._ready = anyio.Event()
         self._digests_ready = anyio.Event()
+        # The source goes first: the reader answers the agent's "ready" with the key, which
+        # must not overtake it (a restarted agent can say "ready" before we get here).
+        self._emit(agent_source())
         for name, target in (("reader", self._read_loop), ("writer", self._write_loop)):
             threading.Thread(target=target, name=f"vf-channel-{name}", daemon=True).start()
-        self._emit(agent_source())
         with anyio.fail_after(timeout):
             await self._ready.wait()
         if self._unsupported:
