@@ -55,7 +55,7 @@ class PipeTransport(ChannelTransport):
 def started_and_ready() -> PipeTransport:
     """An agent whose ``ready`` already waits, unread, in the pipe."""
     transport = PipeTransport(agent_command())
-    readable, _, _ = select.select([transport.process.stdout], [], [], 10)
+    readable, _, _ = select.select([transport.process.stdout.fileno()], [], [], 10)
     assert readable, "the agent never said ready"
     return transport
 
