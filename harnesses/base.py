@@ -30,6 +30,7 @@ from .errors import HarnessConfigError, HarnessError, ModelError, ModelHTTPError
 from .models import ChatClient, ChatReply, Message, ModelEndpoint, Usage
 
 __all__ = [
+    "AgentRecord",
     "Budget",
     "BudgetClock",
     "CommandHook",
@@ -128,6 +129,14 @@ class Trace(BaseModel):
     output: str | None = None
     error: TraceError | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    agents: list[AgentRecord] = Field(
+        default_factory=list,
+        description="other agents run on this rollout (its judges), in the order they ran",
+    )
+    extra_usage: dict[str, Usage] = Field(
+        default_factory=dict,
+        description="usage of those agents, summed per role ('judges'); never in `usage`",
+    )
 
     _clock: float = PrivateAttr(default_factory=time.monotonic)
     _exception: BaseException | None = PrivateAttr(default=None)
@@ -135,10 +144,31 @@ class Trace(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def usage(self) -> Usage:
+        """This run's own model usage (its turns): what its budget counts."""
         total = Usage()
         for turn in self.turns:
             total = total + turn.usage
         return total
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def total_usage(self) -> Usage:
+        """:attr:`usage` plus every entry of :attr:`extra_usage`: the rollout's whole spend."""
+        total = self.usage
+        for spent in self.extra_usage.values():
+            total = total + spent
+        return total
+
+    def attach_agents(self, records: Sequence[AgentRecord]) -> None:
+        """Keep ``records`` (e.g. a rollout's judge runs) on this trace: appended to
+        :attr:`agents`, and each one's usage added to :attr:`extra_usage` under its role's
+        key (:func:`usage_key`). Calling it again (a second judging) appends, it does not
+        replace: every run that spent tokens stays on the record."""
+        for record in records:
+            self.agents.append(record)
+            key = usage_key(record.role)
+            spent = record.trace.usage if record.trace is not None else Usage()
+            self.extra_usage[key] = self.extra_usage.get(key, Usage()) + spent
 
     @property
     def ok(self) -> bool:
@@ -197,6 +227,50 @@ class Trace(BaseModel):
         raise HarnessError(
             f"{self.harness} run ended early ({self.error.kind}): {self.error.message}"
         )
+
+
+AgentRole = Literal["policy", "judge", "agent"]
+"""What an agent run was for: the rollout's ``policy``, a ``judge`` of it, another ``agent``."""
+
+_USAGE_KEYS: dict[str, str] = {"judge": "judges", "agent": "agents", "policy": "policy"}
+
+
+def usage_key(role: str) -> str:
+    """The :attr:`Trace.extra_usage` key of a role: ``"judge"`` -> ``"judges"``."""
+    return _USAGE_KEYS.get(role, role)
+
+
+class AgentRecord(BaseModel):
+    """Provenance of one agent run, as kept on the rollout's trace (:attr:`Trace.agents`).
+
+    The fields of :class:`placement.run.AgentRun` (``harnesses`` does not import
+    ``placement``): who ran, in which role, with which logical model, whether its turns
+    may be trained on, where it was placed, its own trace (turns and usage), its verdict
+    and, for a failed run, the error's message and type name.
+    """
+
+    name: str
+    role: AgentRole
+    model: str
+    trainable: bool
+    placement: str
+    agent_id: str
+    trace: Trace | None = None
+    verdict: dict[str, Any] | None = None
+    error: str | None = None
+    error_type: str | None = None
+    seconds: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+
+    @classmethod
+    def of(cls, run: BaseModel) -> AgentRecord:
+        """The record of a run model that has these fields (an ``AgentRun``); its trace
+        is shared, not copied."""
+        return cls(**{name: getattr(run, name) for name in cls.model_fields if hasattr(run, name)})
+
+
+Trace.model_rebuild()
 
 
 class BudgetClock:
@@ -329,6 +403,8 @@ class Harness(abc.ABC):
     id: ClassVar[str] = "harness"
     config_model: ClassVar[type[HarnessConfig]] = HarnessConfig
     needs_runtime: ClassVar[bool] = True
+    current_trace: Trace | None = None
+    """The trace of this harness's run in progress (or last run), from :meth:`new_trace`."""
 
     def __init__(self, config: HarnessConfig | None = None):
         """Raises: HarnessConfigError: ``config`` is not this harness's config model."""
@@ -390,4 +466,7 @@ class Harness(abc.ABC):
         return runtime
 
     def new_trace(self, model: ModelEndpoint) -> Trace:
-        return Trace(harness=self.id, model=model.model)
+        """A fresh trace for a run; also kept as :attr:`current_trace`, so a caller whose
+        run was cancelled still has the turns recorded so far."""
+        self.current_trace = Trace(harness=self.id, model=model.model)
+        return self.current_trace

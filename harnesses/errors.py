@@ -31,10 +31,12 @@ __all__ = [
     "ModelTimeoutError",
     "ProxyRouteError",
     "ReplyParseError",
+    "SampleError",
     "SessionAgentFailed",
     "SessionClosedError",
     "SessionDeliveryTimeout",
     "SessionError",
+    "SessionGenerateError",
     "SessionProtocolError",
     "SessionRequestTimeout",
     "SessionSandboxLost",
@@ -171,6 +173,16 @@ class SessionProtocolError(SessionError, ValueError):
     """An argument the session cannot accept: a delivery for an unknown or already answered
     request, a completion with neither text nor tool calls, an invalid rollout id or task,
     a timeout that is not positive."""
+
+
+class SessionGenerateError(SessionError):
+    """The trainer's ``generate`` function (:mod:`harnesses.trainer`) failed for one turn;
+    the cause (e.g. a :class:`ModelError` of its endpoint) is chained."""
+
+
+class SampleError(HarnessError, ValueError):
+    """A rollout record cannot become one token-level training sample: a turn's prompt
+    tokens do not extend the tokens before it (the harness rewrote its history)."""
 
 
 def _clip(text: str, limit: int = 500) -> str:

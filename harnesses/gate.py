@@ -21,7 +21,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -35,6 +35,7 @@ from .errors import SessionDeliveryTimeout, SessionProtocolError
 from .models import ChatReply, Message, ToolCall, Usage
 
 __all__ = [
+    "REQUEST_KEYS",
     "Completion",
     "GateListener",
     "GateOutcome",
@@ -49,12 +50,21 @@ _REQUEST_FIELDS = frozenset({"model", "messages", "tools", "stream"})
 RequestState = Literal["parked", "delivered", "expired", "closed"]
 
 
-class InterceptedRequest(BaseModel):
+REQUEST_KEYS = ("request_id", "turn", "model", "messages", "tools", "params")
+"""The keys of an :class:`InterceptedRequest` read as a mapping (``req["messages"]``)."""
+
+
+class InterceptedRequest(BaseModel, Mapping[str, Any]):
     """One model call of the harness, as it sent it, parked until the caller answers.
 
     ``messages`` and ``tools`` are the request's own (a copy: changing them changes nothing
     the harness or the trace holds); ``params`` is every other field of the request body
     (``temperature``, ``max_tokens``, ``tool_choice``, ...), for a trainer that honours them.
+
+    It is also a read-only mapping, for code written against the dict-shaped contract
+    (``next_request() -> dict``): ``req["messages"]``, ``req["tools"]``,
+    ``req["request_id"]``, ``"messages" in req``, ``req.get(...)``, ``dict(req)`` over
+    :data:`REQUEST_KEYS` (JSON-ready: ``received_at`` is an attribute only).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -66,6 +76,18 @@ class InterceptedRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     params: dict[str, Any] = Field(default_factory=dict)
     received_at: _dt.datetime
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in REQUEST_KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:  # type: ignore[override]
+        """The mapping's keys (a pydantic model would yield ``(field, value)`` pairs)."""
+        return iter(REQUEST_KEYS)
+
+    def __len__(self) -> int:
+        return len(REQUEST_KEYS)
 
 
 class Completion(BaseModel):

@@ -445,7 +445,22 @@ class ChatClient:
             ModelConnectionError: the endpoint could not be reached (after retries).
             ModelResponseError: a 2xx answer that is not a chat completion.
         """
-        body = self.request_body(messages, tools)
+        data, latency = await self.post(self.request_body(messages, tools))
+        return parse_chat_completion(data, latency=latency)
+
+    async def post(self, body: Mapping[str, Any]) -> tuple[Any, float]:
+        """POST ``body`` as is to the chat-completions URL, with :meth:`chat`'s retries.
+
+        For callers that need the whole answer (token ids, logprobs, provider fields)
+        rather than a :class:`ChatReply`; build ``body`` with :meth:`request_body`.
+
+        Returns:
+            The decoded JSON answer and the seconds it took (including retries).
+
+        Raises:
+            ModelHTTPError / ModelTimeoutError / ModelConnectionError: as :meth:`chat`.
+            ModelResponseError: a 2xx answer that is not JSON.
+        """
         started = time.monotonic()
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.endpoint.max_retries + 1),
@@ -456,8 +471,8 @@ class ChatClient:
         )
         async for attempt in retrying:
             with attempt:
-                data = await self._post(body)
-        return parse_chat_completion(data, latency=time.monotonic() - started)
+                data = await self._post(dict(body))
+        return data, time.monotonic() - started
 
     async def _post(self, body: dict[str, Any]) -> Any:
         headers = {"Content-Type": "application/json"}

@@ -15,6 +15,14 @@ every request. Each request is checked to be well formed: ``model``, a ``message
 with valid roles and tool-call links, a ``tools`` schema if present, and the API key if
 the endpoint was given one. A malformed request gets a 400 with the reason and is
 recorded in :attr:`ScriptedEndpoint.failures`; it does not consume a script item.
+
+``respond=fn`` answers each request with ``fn(body)`` instead of the script (for
+concurrent conversations, where a shared script's order would not be theirs). Like vLLM,
+it returns token ids when the request sets ``return_token_ids`` (``prompt_token_ids`` at
+the top level, ``token_ids`` in the choice) and per-token logprobs when it sets
+``logprobs`` (``choices[0].logprobs.content``). Its tokenizer is a stand-in: the UTF-8
+bytes of a fixed chat template (:func:`render_chat`), so a conversation's next prompt
+extends the previous prompt plus completion, as a real template's does.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
@@ -42,7 +50,9 @@ __all__ = [
     "ScriptedReply",
     "ScriptedToolCall",
     "bash_call",
+    "byte_tokens",
     "http_error",
+    "render_chat",
     "reply",
     "tool_calls",
     "validate_chat_request",
@@ -121,6 +131,33 @@ def _usage(pair: tuple[int, int] | None) -> Usage | None:
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
+
+
+GENERATION_PROMPT = "<|assistant|>"
+_END = "<|end|>"
+
+
+def _message_body(message: Mapping[str, Any]) -> str:
+    return json.dumps(
+        {k: v for k, v in message.items() if k != "role"}, sort_keys=True, ensure_ascii=False
+    )
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], *, generation_prompt: bool = True) -> str:
+    """The stand-in chat template: ``<|role|>{fields as JSON}<|end|>`` per message, then
+    ``<|assistant|>`` when ``generation_prompt``."""
+    text = "".join(f"<|{m.get('role')}|>{_message_body(m)}{_END}" for m in messages)
+    return text + (GENERATION_PROMPT if generation_prompt else "")
+
+
+def byte_tokens(text: str) -> list[int]:
+    """The stand-in tokenizer: one token per UTF-8 byte."""
+    return list(text.encode("utf-8"))
+
+
+def _token_logprob(token: int, position: int) -> float:
+    """A deterministic, plausible logprob for a generated token."""
+    return -round(((token * 31 + position * 7) % 97) / 100 + 0.01, 4)
 
 
 @dataclass(frozen=True)
@@ -230,9 +267,11 @@ class ScriptedEndpoint:
         api_key: str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        respond: Callable[[dict[str, Any]], ScriptItem] | None = None,
     ):
         self.model = model
         self._api_key = api_key
+        self._respond = respond
         self._script = list(script)
         self._position = 0
         self._lock = threading.Lock()
@@ -309,7 +348,10 @@ class ScriptedEndpoint:
         problem = validate_chat_request(body, model=self.model)
         if problem is not None:
             return self._reject(request, body, token, 400, problem)
-        item = self._next_item()
+        try:
+            item = self._respond(body) if self._respond is not None else self._next_item()
+        except Exception as exc:  # noqa: BLE001 - a broken responder is a failure, answered 500
+            return self._reject(request, body, token, 500, f"respond() raised {exc!r}")
         if item is None:
             return self._reject(
                 request, body, token, 500, f"script exhausted after {len(self._script)} replies"
@@ -370,20 +412,36 @@ class ScriptedEndpoint:
         if calls:
             message["tool_calls"] = calls
         usage = item.usage or _estimated_usage(body["messages"], item.content, calls)
-        return {
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": item.finish_reason or ("tool_calls" if calls else "stop"),
+        }
+        answer: dict[str, Any] = {
             "id": f"chatcmpl-scripted-{number}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": item.finish_reason or ("tool_calls" if calls else "stop"),
-                }
-            ],
+            "choices": [choice],
             "usage": usage.model_dump(),
         }
+        generated = byte_tokens(_message_body(message) + _END)
+        if body.get("return_token_ids"):
+            answer["prompt_token_ids"] = byte_tokens(render_chat(body["messages"]))
+            choice["token_ids"] = generated
+        if body.get("logprobs"):
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": f"token_id:{token}",
+                        "logprob": _token_logprob(token, position),
+                        "bytes": [token],
+                        "top_logprobs": [],
+                    }
+                    for position, token in enumerate(generated)
+                ]
+            }
+        return answer
 
 
 def _estimated_usage(messages: list[Any], content: str | None, calls: list[Any]) -> Usage:

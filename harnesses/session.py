@@ -25,6 +25,10 @@ through their own proxy, which forwards to that same endpoint. Either way every 
 the agent reaches the gated proxy, is recorded on :attr:`AgentSession.gate_trace`, and
 is handed to the trainer.
 
+The dict-shaped contract works too: a request is also a mapping (``request["messages"]``),
+``deliver`` takes a plain string, and :class:`Verification` has ``env_reward``. The trainer
+side (N sessions at once, samples with loss masks) is :mod:`harnesses.trainer`.
+
 Failures are typed (:class:`~harnesses.errors.SessionError`): a harness that makes no
 call within the request timeout (:class:`~harnesses.errors.SessionRequestTimeout`), a
 trainer that does not deliver within the delivery timeout (the agent gets an error reply;
@@ -115,10 +119,17 @@ closed while the agent ran."""
 
 
 class Verification(BaseModel):
-    """The reward the environment computed for a rollout, with whatever explains it."""
+    """The reward the environment computed for a rollout, with whatever explains it.
+
+    ``env_reward`` is the same number under the contract's name."""
 
     reward: float
     details: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def env_reward(self) -> float:
+        """:attr:`reward`, by the name the harness-rollout contract uses."""
+        return self.reward
 
 
 @dataclass(frozen=True)
@@ -360,6 +371,9 @@ class AgentSession:
     async def next_request(self, timeout: float | None = None) -> InterceptedRequest | None:
         """The agent's next model call, or ``None`` once the agent exited.
 
+        The request is also a read-only mapping (``req["messages"]``, ``req["tools"]``,
+        ``req["request_id"]``, ``dict(req)``), as the dict-shaped contract has it.
+
         ``timeout`` (default: the factory's ``request_timeout``) bounds the wait for the
         agent to call or exit; running out of it fails the session.
 
@@ -397,10 +411,14 @@ class AgentSession:
 
     async def deliver(
         self,
-        request: InterceptedRequest | str,
+        request: InterceptedRequest | Mapping[str, Any] | str,
         completion: Completion | str | Mapping[str, Any],
     ) -> None:
-        """Answer ``request`` (or its id) with ``completion``: text, tool calls, or both.
+        """Answer ``request`` with ``completion``: text, tool calls, or both.
+
+        ``request`` is what :meth:`next_request` returned, any mapping with its
+        ``request_id`` (``dict(request)``), or the id itself; ``completion`` a
+        :class:`Completion`, the completion's text, or a dict of its fields.
 
         The harness receives it as an OpenAI chat completion. ``completion.usage`` is
         reported as given (estimated when missing); ``completion.metadata`` is kept for
@@ -416,7 +434,7 @@ class AgentSession:
             SessionClosedError: the session is closed.
         """
         await self._raise_if_unusable()
-        request_id = request if isinstance(request, str) else request.request_id
+        request_id = _request_id(request)
         answer = Completion.coerce(completion)
         try:
             intercepted = self._gate.deliver(request_id, answer)
@@ -684,6 +702,22 @@ class AgentSession:
             self._finished.set()
 
 
+def _request_id(request: InterceptedRequest | Mapping[str, Any] | str) -> str:
+    """The id of a request given as itself, a mapping with ``request_id``, or the id.
+
+    Raises:
+        SessionProtocolError: a mapping without a string ``request_id``.
+    """
+    if isinstance(request, str):
+        return request
+    if isinstance(request, InterceptedRequest):
+        return request.request_id
+    request_id = request.get("request_id")
+    if not isinstance(request_id, str):
+        raise SessionProtocolError("the request to answer has no 'request_id' string")
+    return request_id
+
+
 def _task_record(task: str | Mapping[str, Any]) -> dict[str, Any]:
     """The task as a mapping with a ``prompt``: a non-empty string or a message list.
 
@@ -794,6 +828,11 @@ class AgentSessionFactory:
     @property
     def runtime_config(self) -> RuntimeConfig:
         return self._options.runtime
+
+    @property
+    def has_verify(self) -> bool:
+        """Whether sessions can :meth:`AgentSession.verify` (a verify function was given)."""
+        return self._options.verify is not None
 
     def sessions(self) -> list[AgentSession]:
         """The sessions created and not yet closed."""
@@ -915,7 +954,7 @@ class SyncAgentSession:
 
     def deliver(
         self,
-        request: InterceptedRequest | str,
+        request: InterceptedRequest | Mapping[str, Any] | str,
         completion: Completion | str | Mapping[str, Any],
     ) -> None:
         """See :meth:`AgentSession.deliver` (same errors)."""

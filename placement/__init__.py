@@ -7,11 +7,16 @@ collection with strict typed failures, and the ``vf-sandbox`` command line.
 
 from .errors import (
     InputTamperError,
+    JudgeAgentFailed,
     JudgeBudgetExceeded,
+    JudgeCancelled,
     JudgeError,
     JudgeInputsTampered,
     JudgeModelFailed,
+    JudgeModelUnresolved,
     JudgeSandboxLost,
+    JudgeSetupFailed,
+    JudgesHookFailed,
     JudgingFailed,
     PlacementConfigError,
     PlacementError,
@@ -19,7 +24,7 @@ from .errors import (
     VerdictMissing,
 )
 from .inputs import INPUTS_ROOT, Snapshot, materialise, render_transcript
-from .run import AgentRun, run_agent, run_judges
+from .run import AgentRun, JudgesHook, run_agent, run_judges
 from .specs import AgentSpec, JudgeSpec, load_judges
 
 __all__ = [
@@ -27,12 +32,18 @@ __all__ = [
     "AgentRun",
     "AgentSpec",
     "InputTamperError",
+    "JudgeAgentFailed",
     "JudgeBudgetExceeded",
+    "JudgeCancelled",
     "JudgeError",
     "JudgeInputsTampered",
     "JudgeModelFailed",
+    "JudgeModelUnresolved",
     "JudgeSandboxLost",
+    "JudgeSetupFailed",
     "JudgeSpec",
+    "JudgesHook",
+    "JudgesHookFailed",
     "JudgingFailed",
     "PlacementConfigError",
     "PlacementError",

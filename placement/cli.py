@@ -186,7 +186,9 @@ def cmd_judge(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        return anyio.run(lambda: judge_rollout(rollout, specs, models, runtime, progress))
+        return anyio.run(
+            lambda: judge_rollout(rollout, specs, models, runtime, progress, args.deadline)
+        )
 
     if args.models:
         runs = judge(judges, ModelTable.from_file(args.models), f"models from {args.models}")
@@ -229,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     judge.add_argument("--models", help="YAML/JSON model table")
     judge.add_argument("--scripted", help="offline: a JSON file of scripted replies per judge")
     judge.add_argument("--out", default="agent-runs.json", help="where to write the runs")
+    judge.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="bound the whole judging: judges still running then fail (JudgeBudgetExceeded)",
+    )
     judge.set_defaults(func=cmd_judge)
 
     check = sub.add_parser("check", help="run the conformance suite against a backend")

@@ -61,6 +61,31 @@ class JudgeInputsTampered(JudgeError):
     """The judge's input directory was not fresh (a planted file or symlink): refused."""
 
 
+class JudgeModelUnresolved(JudgeError):
+    """The judge's model cannot be called: an unknown logical name, ``"policy"`` with no
+    policy endpoint, or an API-key variable that is not set. Found before any sandbox work."""
+
+
+class JudgeSetupFailed(JudgeError):
+    """The judge's harness could not be set up: an invalid harness config, or installing
+    it into the sandbox failed (``HarnessInstallError``)."""
+
+
+class JudgeAgentFailed(JudgeError):
+    """The judge's agent itself failed (an installed agent exited abnormally, or the
+    harness raised instead of recording the failure on its trace)."""
+
+
+class JudgeCancelled(JudgeError):
+    """The judge was stopped before it finished: its caller was cancelled, or it never
+    started because judging failed before any judge ran."""
+
+
+class JudgesHookFailed(PlacementError):
+    """A ``judges(task, trace, runtime)`` hook raised, or returned something other than a
+    list of :class:`~placement.specs.JudgeSpec` (its exception is chained)."""
+
+
 class JudgingFailed(ExceptionGroup[JudgeError]):
     """One or more judges of a rollout failed. ``runs`` holds every judge's AgentRun."""
 

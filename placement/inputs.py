@@ -68,6 +68,10 @@ def validate_agent_id(agent_id: str) -> str:
     return agent_id
 
 
+_JUDGING_FIELDS = {"agents", "extra_usage", "total_usage"}
+"""Trace fields that record judging (:meth:`~harnesses.base.Trace.attach_agents`)."""
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """The rollout as every judge sees it: exact bytes, taken once."""
@@ -83,7 +87,8 @@ class Snapshot:
         return cls(
             task=json.loads(task_json),
             task_json=task_json,
-            trace_json=trace.model_dump_json(indent=2).encode(),
+            # The policy's run only: the runs of earlier judges (trace.agents) stay out.
+            trace_json=trace.model_dump_json(indent=2, exclude=_JUDGING_FIELDS).encode(),
             transcript_md=render_transcript(task, trace).encode(),
         )
 

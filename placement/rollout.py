@@ -94,9 +94,16 @@ async def judge_rollout(
     models: ModelTable,
     runtime_config: RuntimeConfig | Mapping[str, Any] | str = "subprocess",
     on_done: Callable[[AgentRun], None] | None = None,
+    deadline: float | None = None,
 ) -> list[AgentRun]:
-    """Recreate the rollout's world in a fresh sandbox and judge it (not strict: failed
-    judges come back as runs with ``error`` set)."""
+    """Recreate the rollout's world in a fresh sandbox and judge it within ``deadline``
+    seconds (not strict: failed judges come back as runs with ``error`` set).
+
+    Raises:
+        PlacementConfigError: two judges share a name, or ``deadline`` is not positive.
+        SandboxError / ProvisioningError: the sandbox could not be made or the world not
+            uploaded.
+    """
     async with open_runtime(runtime_config) as runtime:
         if rollout.files is not None:
             await runtime.upload(rollout.files, runtime.workdir)
@@ -108,6 +115,7 @@ async def judge_rollout(
             runtime=runtime,
             strict=False,
             on_done=on_done,
+            deadline=deadline,
         )
 
 

@@ -18,40 +18,57 @@ be a regular file last changed by a command of the judge's that names it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
+import math
 import string
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, Literal
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, TypeAlias
 
 import anyio
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
-from harnesses.base import HarnessConfig, Trace, for_policy
+from harnesses.base import AgentRecord, Harness, HarnessConfig, Trace, for_policy
+from harnesses.errors import (
+    HarnessConfigError,
+    HarnessError,
+    HarnessInstallError,
+    ModelConfigError,
+    ModelError,
+)
 from harnesses.models import ModelEndpoint, ModelTable
 from harnesses.null import parse_reply_json
 from harnesses.registry import load_harness_class, open_harness, resolve_harness_config
 from runtimes import (
     Runtime,
+    RuntimeConfig,
     SandboxError,
     open_runtime,
 )
 
 from .errors import (
     InputTamperError,
+    JudgeAgentFailed,
     JudgeBudgetExceeded,
+    JudgeCancelled,
     JudgeError,
     JudgeInputsTampered,
     JudgeModelFailed,
+    JudgeModelUnresolved,
     JudgeSandboxLost,
+    JudgeSetupFailed,
+    JudgesHookFailed,
     JudgingFailed,
     PlacementConfigError,
     VerdictInvalid,
 )
 from .guard import VerdictGuard
-from .inputs import VERDICT_FILE, Snapshot, materialise, new_agent_id
-from .specs import AgentSpec, JudgeSpec
+from .inputs import INPUTS_ROOT, VERDICT_FILE, Snapshot, materialise, new_agent_id
+from .specs import AgentSpec, FieldTableVerdict, JudgeSpec
 
 Role = Literal["policy", "judge", "agent"]
 
@@ -104,7 +121,7 @@ def render_prompt(spec: JudgeSpec, snapshot: Snapshot, inputs_dir: str | None) -
         "task": snapshot.task_json.decode(),
         "transcript": snapshot.transcript_md.decode(),
     }
-    body = string.Template(spec.prompt).safe_substitute(values)
+    body = string.Template(spec.prompt).substitute(values) if spec.template else spec.prompt
     if spec.verdict_source() == "file":
         return (
             f"{body}\n\nYour inputs are in {inputs_dir}/: task.json (the task), transcript.md "
@@ -134,55 +151,135 @@ async def run_agent(
 ) -> AgentRun:
     """Run one agent (or judge) where its spec places it, and collect what it produced.
 
-    For a :class:`JudgeSpec`, ``snapshot`` is required and the verdict is collected and
-    validated; a failure is recorded on the run (``error``) and on its trace
-    (``trace.metadata["failure"]``), then raised. With ``role="policy"`` the agent's
-    commands run as the runtime's ``policy_user`` where it keeps one
-    (:func:`harnesses.base.for_policy`).
+    Its harness, model name and API-key variable are checked before any sandbox work
+    (:func:`plan_agent`). For a :class:`JudgeSpec`, ``snapshot`` is required and the
+    verdict is collected and validated; every failure of a judge is one typed
+    :class:`~placement.errors.JudgeError`, recorded on the run (``error``,
+    ``error_type``, ``err.run``) and on its trace (``trace.metadata["failure"]``), then
+    raised. With ``role="policy"`` the agent's commands run as the runtime's
+    ``policy_user`` where it keeps one (:func:`harnesses.base.for_policy`).
+
+    Cancelling it stops the agent: a judge in a rollout's sandbox has the processes it
+    left stopped and its inputs dir removed (shielded, bounded by
+    :data:`CLEANUP_SECONDS`), its run records :class:`~placement.errors.JudgeCancelled`,
+    and the cancellation propagates.
 
     Raises:
         PlacementConfigError: rollout placement without a runtime for a harness that
             needs one; a judge without a snapshot.
+        JudgeModelUnresolved: (judges) an unknown model name, ``"policy"`` with no
+            ``policy`` endpoint, or an unset API-key variable; before any sandbox work.
+        JudgeSetupFailed: (judges) an invalid harness config, or installing it failed.
         VerdictMissing / VerdictInvalid / JudgeSandboxLost / JudgeBudgetExceeded /
-            JudgeModelFailed: the judge failed, for that cause.
+            JudgeModelFailed / JudgeAgentFailed: the judge failed, for that cause.
         JudgeInputsTampered: the inputs dir was planted, or the verdict was changed by
             something other than the judge's own commands, or is a link it did not make.
-        SandboxError / ProvisioningError: an agent's (non-judge) sandbox failed.
+        HarnessError / ModelConfigError / SandboxError / ProvisioningError: an agent's
+            (non-judge) harness, model or sandbox failed, as raised.
     """
-    judge = spec if isinstance(spec, JudgeSpec) else None
-    if judge is not None and snapshot is None:
+    judge = isinstance(spec, JudgeSpec)
+    if judge and snapshot is None:
         raise PlacementConfigError(f"judge {spec.name!r} needs the rollout snapshot")
-    agent_id = new_agent_id(spec.name)
-    run = AgentRun(
-        name=spec.name,
-        role="judge" if judge else role,
-        model=spec.model,
-        trainable=spec.trainable,
-        placement=_placement_label(spec),
-        agent_id=agent_id,
-        started=time.time(),
-    )
-    harness_config = resolve_harness_config(spec.harness)
-    needs_runtime = load_harness_class(harness_config.id).needs_runtime
-    endpoint = models.resolve(spec.model, policy=policy)
+    run = new_run(spec, "judge" if judge else role)
+    try:
+        plan = plan_agent(spec, models=models, runtime=runtime, policy=policy)
+    except (HarnessError, ModelConfigError) as exc:
+        if not judge:
+            raise
+        error = as_judge_error(spec.name, exc)
+        _record_failure(run, error, None)
+        raise error from exc
+    await _execute(spec, task, run, plan, runtime=runtime, snapshot=snapshot, role=role)
+    return run
+
+
+CLEANUP_SECONDS = 30.0
+"""How long the shielded cleanup of a cancelled or failed judge (stopping its processes,
+removing its inputs dir) may take before it is abandoned."""
+
+
+@dataclass(frozen=True)
+class AgentPlan:
+    """What running one agent needs, checked before any sandbox work (:func:`plan_agent`)."""
+
+    harness: HarnessConfig
+    needs_runtime: bool
+    endpoint: ModelEndpoint
+    clean_room: RuntimeConfig | None
+
+
+def plan_agent(
+    spec: AgentSpec,
+    *,
+    models: ModelTable,
+    runtime: Runtime | None,
+    policy: ModelEndpoint | None = None,
+) -> AgentPlan:
+    """Check, with no sandbox work, that ``spec`` can run: its harness config, where it is
+    placed, its logical model and that model's API-key variable.
+
+    Raises:
+        HarnessConfigError / HarnessPluginError: an unknown harness or an invalid config.
+        PlacementConfigError: rollout placement with no rollout runtime given.
+        UnknownModelError: no such model in ``models``, or ``"policy"`` with no
+            ``policy`` endpoint.
+        ModelConfigError: the endpoint's ``api_key_env`` variable is not set.
+    """
+    harness = resolve_harness_config(spec.harness)
+    needs_runtime = load_harness_class(harness.id).needs_runtime
     clean_room = spec.runtime_config()
     if clean_room is None and needs_runtime and runtime is None:
         raise PlacementConfigError(
             f"{spec.name!r} is placed in the rollout but no rollout runtime was given"
         )
+    endpoint = models.resolve(spec.model, policy=policy)
+    endpoint.resolve_api_key()
+    return AgentPlan(harness, needs_runtime, endpoint, clean_room)
+
+
+def new_run(spec: AgentSpec, role: Role) -> AgentRun:
+    """A not-yet-started run of ``spec`` with a fresh agent id."""
+    return AgentRun(
+        name=spec.name,
+        role=role,
+        model=spec.model,
+        trainable=spec.trainable,
+        placement=_placement_label(spec),
+        agent_id=new_agent_id(spec.name),
+    )
+
+
+async def _execute(
+    spec: AgentSpec,
+    task: str | Sequence[dict[str, Any]],
+    run: AgentRun,
+    plan: AgentPlan,
+    *,
+    runtime: Runtime | None,
+    snapshot: Snapshot | None,
+    role: Role,
+) -> None:
+    """Run ``spec`` per ``plan``, filling ``run``. Raises what :func:`run_agent` raises."""
+    judge = spec if isinstance(spec, JudgeSpec) else None
+    harness: Harness | None = None
+    run.started = time.time()
     clock = time.monotonic()
     try:
         async with AsyncExitStack() as stack:
-            target = runtime if needs_runtime else None
-            if needs_runtime and clean_room is not None:
-                target = await stack.enter_async_context(open_runtime(clean_room))
+            target = runtime if plan.needs_runtime else None
+            if plan.needs_runtime and plan.clean_room is not None:
+                target = await stack.enter_async_context(open_runtime(plan.clean_room))
+            in_rollout = target is not None and plan.clean_room is None
             inputs_dir = None
-            if judge is not None and target is not None and clean_room is None:
+            if judge is not None and target is not None and in_rollout:
                 await target.stop_processes()  # nothing the policy or a judge left is alive
             if target is not None and snapshot is not None:
-                inputs_dir = await materialise(target, agent_id, snapshot)
-                stack.push_async_callback(_remove_inputs, target, inputs_dir)
-            harness = open_harness(_with_input_env(harness_config, inputs_dir))
+                # registered before the directory exists: a cancellation while it is being
+                # made still removes it
+                cleanup = _InputsCleanup(target, f"{INPUTS_ROOT}/{run.agent_id}", in_rollout)
+                stack.push_async_exit(cleanup)
+                inputs_dir = await materialise(target, run.agent_id, snapshot)
+            harness = open_harness(_with_input_env(plan.harness, inputs_dir))
             if role == "policy" and target is not None:
                 harness = for_policy(harness, target)
             guard = None
@@ -197,29 +294,45 @@ async def run_agent(
                 assert snapshot is not None
                 prompt = render_prompt(judge, snapshot, inputs_dir)
             run.trace = await harness.run(
-                prompt, runtime=target, model=endpoint, budget=spec.budget
+                prompt, runtime=target, model=plan.endpoint, budget=spec.budget
             )
             if judge is not None:
                 run.verdict = await _collect_verdict(judge, run.trace, guard)
-    except JudgeError as exc:
-        _record_failure(run, exc)
+    except anyio.get_cancelled_exc_class():
+        if judge is not None:
+            _record_failure(run, JudgeCancelled(spec.name, "cancelled before it finished"), harness)
         raise
-    except InputTamperError as exc:
+    except Exception as exc:
         if judge is None:
             raise
-        tampered = JudgeInputsTampered(spec.name, str(exc), run.trace)
-        _record_failure(run, tampered)
-        raise tampered from exc
-    except SandboxError as exc:
-        if judge is None:
+        error = as_judge_error(spec.name, exc)
+        _record_failure(run, error, harness)
+        if error is exc:
             raise
-        lost = JudgeSandboxLost(spec.name, f"sandbox failed: {exc}", run.trace)
-        _record_failure(run, lost)
-        raise lost from exc
+        raise error from exc
     finally:
         run.seconds = time.monotonic() - clock
         run.finished = time.time()
-    return run
+
+
+def as_judge_error(judge: str, exc: BaseException) -> JudgeError:
+    """The typed :class:`~placement.errors.JudgeError` for what ended judge ``judge``
+    (``exc`` itself when it is one already; the caller chains ``exc``)."""
+    if isinstance(exc, JudgeError):
+        return exc
+    if isinstance(exc, InputTamperError):
+        return JudgeInputsTampered(judge, str(exc))
+    if isinstance(exc, ModelConfigError):
+        return JudgeModelUnresolved(judge, f"its model cannot be called: {exc}")
+    if isinstance(exc, HarnessInstallError):
+        return JudgeSetupFailed(judge, f"installing its harness failed: {exc}")
+    if isinstance(exc, HarnessConfigError | PlacementConfigError):
+        return JudgeSetupFailed(judge, f"its harness cannot be set up: {exc}")
+    if isinstance(exc, ModelError):
+        return JudgeModelFailed(judge, f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, SandboxError):
+        return JudgeSandboxLost(judge, f"sandbox failed: {exc}")
+    return JudgeAgentFailed(judge, f"{type(exc).__name__}: {exc}")
 
 
 INPUTS_ENV = "VF_AGENT_INPUTS"
@@ -241,13 +354,43 @@ def _with_input_env(config: HarnessConfig, inputs_dir: str | None) -> HarnessCon
     return config
 
 
+@dataclass(frozen=True)
+class _InputsCleanup:
+    """Exit callback of one agent's inputs dir: removes it, and when the agent ended by an
+    exception (a failure or a cancellation) in a rollout's sandbox, first stops what it
+    left running. Shielded from cancellation and bounded by :data:`CLEANUP_SECONDS`."""
+
+    runtime: Runtime
+    inputs_dir: str
+    sweep: bool
+
+    async def __call__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        with anyio.move_on_after(CLEANUP_SECONDS, shield=True):
+            if self.sweep and exc is not None and not self.runtime.closed:
+                with contextlib.suppress(SandboxError):  # lost: the caller reports it
+                    await self.runtime.stop_processes()
+            await _remove_inputs(self.runtime, self.inputs_dir)
+        return False
+
+
 async def _remove_inputs(runtime: Runtime, inputs_dir: str) -> None:
     if not runtime.closed:
         with contextlib.suppress(SandboxError):  # the sandbox is gone; nothing to remove
             await runtime.remove(inputs_dir, missing_ok=True)
 
 
-def _record_failure(run: AgentRun, exc: JudgeError) -> None:
+def _record_failure(run: AgentRun, exc: JudgeError, harness: Harness | None) -> None:
+    """Put ``exc`` on ``run`` (and ``run`` on ``exc``); a run that ended before its harness
+    returned keeps the trace its harness recorded so far."""
+    if run.trace is None and harness is not None and harness.current_trace is not None:
+        run.trace = harness.current_trace
+        if run.trace.finished_at is None:
+            run.trace.finish()
     exc.trace = run.trace
     exc.run = run
     run.error = str(exc)
@@ -266,6 +409,10 @@ async def _collect_verdict(
             raise JudgeBudgetExceeded(spec.name, message, trace)
         if kind == "sandbox_error":
             raise JudgeSandboxLost(spec.name, message, trace)
+        if kind == "install_error":
+            raise JudgeSetupFailed(spec.name, message, trace)
+        if kind == "agent_error":
+            raise JudgeAgentFailed(spec.name, message, trace)
         raise JudgeModelFailed(spec.name, f"{kind}: {message}", trace)
     if spec.verdict_source() == "reply":
         size = len((trace.output or "").encode("utf-8", "surrogateescape"))
@@ -291,8 +438,19 @@ async def _collect_verdict(
 
 
 def _validate(spec: JudgeSpec, data: Any, trace: Trace) -> dict[str, Any]:
+    """The verdict validated in pydantic's strict JSON mode (no coercion: ``"yes"`` and
+    ``1`` are not booleans), with no NaN or Infinity outside the fields that allow them."""
+    schema = spec.verdict_schema
+    non_finite = [p for p in _non_finite_paths(data) if not _allows_non_finite(schema, p)]
+    if non_finite:
+        where = ", ".join(".".join(str(k) for k in p) or "(verdict)" for p in non_finite[:5])
+        message = f"verdict has NaN or Infinity where the schema does not allow it: {where}"
+        raise VerdictInvalid(spec.name, message, trace)
     try:
-        return spec.verdict_schema.model_validate(data).model_dump(mode="json")
+        text = json.dumps(data)
+        return schema.model_validate_json(text, strict=True).model_dump(mode="json")
+    except RecursionError:
+        raise VerdictInvalid(spec.name, "the verdict is nested too deeply", trace) from None
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or '(verdict)'}: {e['msg']}" for e in exc.errors()
@@ -301,8 +459,78 @@ def _validate(spec: JudgeSpec, data: Any, trace: Trace) -> dict[str, Any]:
         raise VerdictInvalid(spec.name, message, trace) from None
 
 
+def _allows_non_finite(schema: type[BaseModel], path: tuple[str | int, ...]) -> bool:
+    """A field table allows NaN/Infinity in its ``allow_inf_nan`` number fields; any other
+    pydantic model only when its config sets ``allow_inf_nan=True`` explicitly."""
+    if issubclass(schema, FieldTableVerdict):
+        return len(path) == 1 and path[0] in schema.non_finite_fields
+    return schema.model_config.get("allow_inf_nan") is True
+
+
+def _non_finite_paths(data: Any) -> list[tuple[str | int, ...]]:
+    """Where ``data`` (parsed JSON) holds NaN or +-Infinity (iteratively: no depth limit)."""
+    found: list[tuple[str | int, ...]] = []
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append(path)
+        elif isinstance(value, dict):
+            stack.extend(((*path, str(k)), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend(((*path, i), v) for i, v in enumerate(value))
+    return sorted(found, key=str)
+
+
+JudgesHook: TypeAlias = Callable[
+    [dict[str, Any], Trace, Runtime | None],
+    Sequence[JudgeSpec] | Awaitable[Sequence[JudgeSpec]],
+]
+"""``judges(task, trace, runtime) -> list[JudgeSpec]`` (plain or ``async``): the judges a
+taskset wants for one finished rollout. An empty list means the rollout is not judged."""
+
+
+async def select_judges(
+    judges: Sequence[JudgeSpec] | JudgesHook,
+    *,
+    task: dict[str, Any],
+    trace: Trace,
+    runtime: Runtime | None,
+) -> list[JudgeSpec]:
+    """The judges for one rollout: ``judges`` itself, or what the hook returns for it.
+
+    Raises:
+        JudgesHookFailed: the hook raised (chained), or returned something other than a
+            list of :class:`~placement.specs.JudgeSpec`.
+    """
+    if not callable(judges):
+        chosen: object = judges
+    else:
+        try:
+            chosen = judges(task, trace, runtime)
+            if inspect.isawaitable(chosen):
+                chosen = await chosen
+        except Exception as exc:
+            raise JudgesHookFailed(f"the judges hook raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(chosen, Sequence) or isinstance(chosen, str | bytes):
+        raise JudgesHookFailed(f"judges must be a list of JudgeSpec, got {type(chosen).__name__}")
+    wrong = [type(j).__name__ for j in chosen if not isinstance(j, JudgeSpec)]
+    if wrong:
+        raise JudgesHookFailed(f"judges must be JudgeSpec objects, got {wrong}")
+    return list(chosen)
+
+
+def check_unique_names(judges: Sequence[JudgeSpec]) -> None:
+    """Raises PlacementConfigError: two judges share a name (their runs, verdicts and
+    inputs dirs are told apart by it)."""
+    names = [j.name for j in judges]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise PlacementConfigError(f"judge names must be unique; repeated: {repeated}")
+
+
 async def run_judges(
-    judges: Sequence[JudgeSpec],
+    judges: Sequence[JudgeSpec] | JudgesHook,
     *,
     task: dict[str, Any],
     trace: Trace,
@@ -311,60 +539,144 @@ async def run_judges(
     policy: ModelEndpoint | None = None,
     strict: bool = True,
     on_done: Callable[[AgentRun], None] | None = None,
+    deadline: float | None = None,
 ) -> list[AgentRun]:
-    """Judge one finished rollout. Runs come back in the order of ``judges``.
+    """Judge one finished rollout. Runs come back in the order of the judges.
+
+    ``judges`` is a list of specs or a :data:`JudgesHook` called with ``(task, trace,
+    runtime)``; an empty list judges nothing and returns ``[]``. Before any sandbox work
+    every judge's harness, model name and API-key variable are checked
+    (:func:`plan_agent`): if one fails, no judge runs — the failing ones carry their typed
+    error (:class:`~placement.errors.JudgeModelUnresolved`, ...), the others
+    :class:`~placement.errors.JudgeCancelled`. Rollout-placed judges then run one after
+    another in ``runtime``, clean-room judges concurrently; a judge that fails does not
+    stop the others, and every run comes back with its trace.
+
+    ``deadline`` (seconds) bounds the whole scoring stage: when it expires every judge
+    still running is stopped (its processes in the rollout's sandbox killed, its inputs
+    dir removed) and every unfinished run fails with
+    :class:`~placement.errors.JudgeBudgetExceeded`. Cancelling ``run_judges`` does the
+    same cleanup (shielded), records the unfinished runs as ``JudgeCancelled`` and then
+    lets the cancellation propagate.
+
+    Every run, failed ones included, is also kept on the rollout's ``trace``:
+    ``trace.agents`` (with each judge's own trace) and the judges' usage summed in
+    ``trace.extra_usage["judges"]`` (:meth:`~harnesses.base.Trace.attach_agents`).
 
     Raises:
         JudgingFailed: (when ``strict``) one or more judges failed; ``err.runs`` has all
-            runs and ``err.exceptions`` the typed :class:`JudgeError` of each failure.
-        PlacementConfigError: a rollout-placed judge needs a runtime and none was given.
+            runs and ``err.exceptions`` the typed :class:`JudgeError` of each failure
+            (not the ``JudgeCancelled`` of judges that never started).
+        PlacementConfigError: two judges share a name, a rollout-placed judge needs a
+            runtime and none was given, or ``deadline`` is not positive; before any work.
+        JudgesHookFailed: the judges hook raised or returned something else than specs.
 
     Each rollout-placed judge first stops what the policy (or an earlier judge) left
     running (:func:`run_agent`); a sweep that fails is that judge's ``JudgeSandboxLost``.
     """
-    snapshot = Snapshot.take(task, trace)
-    in_rollout = [j for j in judges if j.runtime_config() is None]
-    runs: dict[str, AgentRun] = {}
-    failures: dict[str, JudgeError] = {}
-
-    async def one(spec: JudgeSpec) -> None:
-        try:
-            runs[spec.name] = await run_agent(
-                spec, "", models=models, runtime=runtime, policy=policy, snapshot=snapshot
+    specs = await select_judges(judges, task=task, trace=trace, runtime=runtime)
+    check_unique_names(specs)
+    if deadline is not None and not deadline > 0:
+        raise PlacementConfigError(f"the scoring deadline must be positive, got {deadline}")
+    runs = [new_run(spec, "judge") for spec in specs]
+    failures: dict[int, JudgeError] = {}
+    plans = _plan_judges(specs, runs, failures, models=models, runtime=runtime, policy=policy)
+    try:
+        if failures:
+            _not_started(specs, runs, failures)
+        else:
+            snapshot = Snapshot.take(task, trace)
+            await _judge_all(
+                specs, runs, plans, failures, runtime, snapshot, deadline=deadline, on_done=on_done
             )
-        except JudgeError as exc:
-            failures[spec.name] = exc
-            runs[spec.name] = exc.run or _failed_run(spec, exc)
-        if on_done is not None:
-            on_done(runs[spec.name])
-
-    async def sequentially(specs: list[JudgeSpec]) -> None:
-        for spec in specs:
-            await one(spec)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sequentially, in_rollout)
-        for spec in judges:
-            if spec.runtime_config() is not None:
-                tg.start_soon(one, spec)
-    ordered = [runs[j.name] for j in judges]
+    finally:
+        trace.attach_agents([AgentRecord.of(run) for run in runs])  # provenance: trace.agents
     if strict and failures:
-        errors = [failures[j.name] for j in judges if j.name in failures]
-        raise JudgingFailed(f"{len(errors)} of {len(judges)} judges failed", errors, ordered)
-    return ordered
+        errors = [failures[i] for i in sorted(failures)]
+        raise JudgingFailed(f"{len(errors)} of {len(specs)} judges failed", errors, runs)
+    return runs
 
 
-def _failed_run(spec: JudgeSpec, exc: JudgeError) -> AgentRun:
-    run = AgentRun(
-        name=spec.name,
-        role="judge",
-        model=spec.model,
-        trainable=spec.trainable,
-        placement=_placement_label(spec),
-        agent_id="",
-        trace=exc.trace,
-        error=str(exc),
-        error_type=type(exc).__name__,
-    )
-    run._exception = exc
-    return run
+def _plan_judges(
+    specs: Sequence[JudgeSpec],
+    runs: Sequence[AgentRun],
+    failures: dict[int, JudgeError],
+    *,
+    models: ModelTable,
+    runtime: Runtime | None,
+    policy: ModelEndpoint | None,
+) -> list[AgentPlan]:
+    """Every judge's plan; a judge whose model or harness is wrong gets its typed error
+    in ``failures`` (and on its run). Raises PlacementConfigError: no rollout runtime."""
+    plans = []
+    for index, spec in enumerate(specs):
+        try:
+            plans.append(plan_agent(spec, models=models, runtime=runtime, policy=policy))
+        except (HarnessError, ModelConfigError) as exc:
+            error = as_judge_error(spec.name, exc)
+            error.__cause__ = exc
+            _record_failure(runs[index], error, None)
+            failures[index] = error
+    return plans
+
+
+def _not_started(
+    specs: Sequence[JudgeSpec], runs: Sequence[AgentRun], failures: dict[int, JudgeError]
+) -> None:
+    failed = [specs[i].name for i in sorted(failures)]
+    for index, spec in enumerate(specs):
+        if index not in failures:
+            message = f"not started: judges {failed} failed their checks, so no judge ran"
+            _record_failure(runs[index], JudgeCancelled(spec.name, message), None)
+
+
+async def _judge_all(
+    specs: Sequence[JudgeSpec],
+    runs: Sequence[AgentRun],
+    plans: Sequence[AgentPlan],
+    failures: dict[int, JudgeError],
+    runtime: Runtime | None,
+    snapshot: Snapshot,
+    *,
+    deadline: float | None,
+    on_done: Callable[[AgentRun], None] | None,
+) -> None:
+    """Run the planned judges (rollout ones in turn, clean-room ones concurrently) within
+    ``deadline``; failures go to ``failures``."""
+    settled: set[int] = set()
+
+    def settle(index: int) -> None:
+        settled.add(index)
+        if on_done is not None:
+            on_done(runs[index])
+
+    async def one(index: int) -> None:
+        try:
+            await _execute(
+                specs[index], "", runs[index], plans[index],
+                runtime=runtime, snapshot=snapshot, role="judge",
+            )  # fmt: skip
+        except JudgeError as exc:
+            failures[index] = exc
+        settle(index)
+
+    async def sequentially(indices: list[int]) -> None:
+        for index in indices:
+            await one(index)
+
+    with anyio.move_on_after(math.inf if deadline is None else deadline) as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sequentially, [i for i, p in enumerate(plans) if p.clean_room is None])
+            for index, plan in enumerate(plans):
+                if plan.clean_room is not None:
+                    tg.start_soon(one, index)
+    if scope.cancelled_caught:
+        for index, run in enumerate(runs):
+            if index not in settled:
+                when = "while it ran" if run.started else "before it started"
+                message = f"the scoring deadline of {deadline}s expired {when}"
+                if run.trace is not None:
+                    run.trace.fail("budget_time", message)
+                failures[index] = JudgeBudgetExceeded(specs[index].name, message)
+                _record_failure(run, failures[index], None)
+                settle(index)

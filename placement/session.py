@@ -12,6 +12,11 @@ meets the judges::
 Judges placed ``"rollout"`` run in the session's live sandbox (after the processes the
 agent left running are stopped); judges with a runtime config get clean-room sandboxes.
 A failed judge fails verification, typed: never a silent 0 reward.
+
+``judges`` may also be a hook ``judges(task, trace, runtime) -> list[JudgeSpec]`` (plain
+or ``async``) that picks the judges per rollout. When no judge is picked (an empty list,
+or ``JudgeVerifier([])``) the rollout is not judged: its reward is ``unjudged_reward``
+(0.0 unless given) and ``details["judged"]`` is ``False``.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from harnesses.models import ModelEndpoint, ModelTable
 from harnesses.session import Verification, VerifyContext
 from runtimes.errors import SandboxError
 
-from .errors import JudgeSandboxLost, JudgingFailed
-from .run import AgentRun, run_judges
+from .errors import JudgeSandboxLost, JudgingFailed, PlacementError
+from .run import AgentRun, JudgesHook, run_judges, select_judges
 from .specs import JudgeSpec
 
 __all__ = ["JudgeVerifier", "RewardFn", "verdict_reward"]
@@ -68,26 +73,32 @@ class JudgeVerifier:
     """A session ``verify`` function that runs judges on the finished rollout.
 
     Args:
-        judges: the judge specs (see :class:`~placement.specs.JudgeSpec`).
+        judges: the judge specs (see :class:`~placement.specs.JudgeSpec`), or a hook
+            ``judges(task, trace, runtime) -> list[JudgeSpec]`` (plain or ``async``)
+            choosing them per rollout. No judges: the rollout is not judged.
         models: the model table the judges' logical model names resolve in.
         reward: turns the judges' runs into the reward (default :func:`verdict_reward`).
         policy: the endpoint a judge using the ``"policy"`` model would call.
+        deadline: seconds the whole judging may take (``run_judges(deadline=)``).
+        unjudged_reward: the reward of a rollout no judge was chosen for.
     """
 
     def __init__(
         self,
-        judges: Sequence[JudgeSpec],
+        judges: Sequence[JudgeSpec] | JudgesHook,
         *,
         models: ModelTable,
         reward: RewardFn = verdict_reward,
         policy: ModelEndpoint | None = None,
+        deadline: float | None = None,
+        unjudged_reward: float = 0.0,
     ):
-        if not judges:
-            raise SessionVerifyError("JudgeVerifier needs at least one judge")
-        self.judges = list(judges)
+        self.judges = judges if callable(judges) else list(judges)
         self.models = models
         self.reward = reward
         self.policy = policy
+        self.deadline = deadline
+        self.unjudged_reward = unjudged_reward
 
     async def __call__(self, context: VerifyContext) -> Verification:
         """Judge the rollout in ``context.runtime``; the reward comes from the verdicts.
@@ -95,17 +106,24 @@ class JudgeVerifier:
         Raises:
             SessionSandboxLost: a judge lost the sandbox.
             SessionVerifyError: a judge failed otherwise (no verdict, an invalid one, its
-                budget or model failed); the :class:`~placement.errors.JudgingFailed`
-                group is chained.
+                budget, deadline or model failed); the
+                :class:`~placement.errors.JudgingFailed` group is chained. Also: the
+                judges hook failed, or two judges share a name.
         """
         try:
+            judges = await select_judges(
+                self.judges, task=context.task, trace=context.trace, runtime=context.runtime
+            )
+            if not judges:
+                return Verification(reward=self.unjudged_reward, details=_details([], False))
             runs = await run_judges(
-                self.judges,
+                judges,
                 task=context.task,
                 trace=context.trace,
                 models=self.models,
                 runtime=context.runtime,
                 policy=self.policy,
+                deadline=self.deadline,
             )
         except JudgingFailed as group:
             failures = "; ".join(str(e) for e in group.exceptions)
@@ -120,11 +138,16 @@ class JudgeVerifier:
             raise SessionVerifyError(
                 f"judging failed: {failures}", rollout_id=context.rollout_id
             ) from group
-        return Verification(reward=self.reward(runs), details=_details(runs))
+        except PlacementError as exc:  # the hook, or the judges it chose, are unusable
+            raise SessionVerifyError(
+                f"judging could not start: {exc}", rollout_id=context.rollout_id
+            ) from exc
+        return Verification(reward=self.reward(runs), details=_details(runs, True))
 
 
-def _details(runs: Sequence[AgentRun]) -> dict[str, Any]:
+def _details(runs: Sequence[AgentRun], judged: bool) -> dict[str, Any]:
     return {
+        "judged": judged,
         "verdicts": {run.name: run.verdict for run in runs},
         "judges": [run.model_dump(mode="json", exclude={"trace"}) for run in runs],
     }

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import importlib
 import re
+import string
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from harnesses.base import Budget
 from harnesses.registry import load_harness_class, resolve_harness_config
@@ -74,20 +83,47 @@ class AgentSpec(BaseModel):
         return load_harness_class(resolve_harness_config(self.harness).id).needs_runtime
 
 
+PROMPT_VARIABLES = ("inputs_dir", "verdict_path", "schema", "task", "transcript")
+"""What a ``template=True`` prompt may name as ``$name`` / ``${name}``."""
+
+
 class JudgeSpec(AgentSpec):
     """A judge: an agent whose output is a verdict validated against ``verdict_schema``.
 
-    ``prompt`` may use ``$inputs_dir``, ``$verdict_path``, ``$schema``, ``$task`` and
-    ``$transcript``. ``verdict_schema`` is a pydantic model, an import path
-    (``"pkg.mod:Model"``), or a field table (``{"score": {"type": "number", "minimum": 0}}``
-    or ``{"passed": "boolean"}``).
+    ``prompt`` arrives rendered and is used as written: a ``$task`` in it stays ``$task``.
+    With ``template=True`` it is a :class:`string.Template` over :data:`PROMPT_VARIABLES`
+    (``$inputs_dir``, ``$verdict_path``, ``$schema``, ``$task``, ``$transcript``), ``$$``
+    writes one ``$``, and an unknown name or a stray ``$`` is refused when the spec is made.
+    ``verdict_schema`` is a pydantic model, an import path (``"pkg.mod:Model"``), or a
+    field table (``{"score": {"type": "number", "minimum": 0}}`` or ``{"passed":
+    "boolean"}``); see :func:`schema_model`.
     """
 
     model: str = "grader"
     trainable: bool = False
     prompt: str
+    template: bool = False
     verdict_schema: type[BaseModel]
     verdict_max_bytes: int = Field(default=1 << 20, gt=0)
+
+    @model_validator(mode="after")
+    def _check_template(self) -> JudgeSpec:
+        if self.template:
+            check_prompt_template(self.prompt)
+        return self
+
+    @field_validator("trainable")
+    @classmethod
+    def _refuse_trainable(cls, value: bool) -> bool:
+        # A judge's calls go to its own endpoint from the model table, never through the
+        # trainer's gate: there are no token ids or logprobs of it to train on, and a
+        # policy trained on the judge that scores it would learn to please itself.
+        if value:
+            raise ValueError(
+                "judges are not trainable: their model calls do not pass through the "
+                "trainer (see docs/sessions.md, 'Provenance'); drop trainable=True"
+            )
+        return value
 
     @field_validator("verdict_schema", mode="before")
     @classmethod
@@ -103,9 +139,42 @@ class JudgeSpec(AgentSpec):
         return "file" if self.needs_runtime() else "reply"
 
 
+def check_prompt_template(prompt: str) -> None:
+    """Raises ValueError: ``prompt`` is not a valid template over :data:`PROMPT_VARIABLES`."""
+    template = string.Template(prompt)
+    if not template.is_valid():
+        raise ValueError("the prompt template has a stray '$' (write '$$' for a literal '$')")
+    unknown = sorted(set(template.get_identifiers()) - set(PROMPT_VARIABLES))
+    if unknown:
+        raise ValueError(f"the prompt template names {unknown}; it may use {PROMPT_VARIABLES}")
+
+
+class FieldTableVerdict(BaseModel):
+    """Base of the verdict models :func:`schema_model` builds: strict (no coercion), no
+    extra fields, and no NaN or Infinity except in the fields named in
+    :attr:`non_finite_fields`."""
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, allow_inf_nan=False, ser_json_inf_nan="constants"
+    )
+
+    non_finite_fields: ClassVar[frozenset[str]] = frozenset()
+
+
 def schema_model(fields: dict[str, Any], name: str = "Verdict") -> type[BaseModel]:
-    """A strict pydantic model from a field table (every field required, no extras)."""
+    """A strict pydantic model from a field table (every field required, no extras).
+
+    Each field is a type name or ``{"type": ..., "minimum": ..., "maximum": ...,
+    "description": ..., "allow_inf_nan": bool}``. Values are never coerced (``"yes"`` or
+    ``1`` is not a boolean, ``"3"`` not a number); a ``number`` field refuses ``NaN`` and
+    ``Infinity`` unless it says ``allow_inf_nan: true``.
+
+    Raises:
+        PlacementConfigError: an unknown type or key, or ``allow_inf_nan`` on a field that
+            is not a number.
+    """
     definitions: dict[str, Any] = {}
+    non_finite: set[str] = set()
     for field, spec in fields.items():
         spec = {"type": spec} if isinstance(spec, str) else dict(spec)
         kind = spec.pop("type", None)
@@ -113,20 +182,27 @@ def schema_model(fields: dict[str, Any], name: str = "Verdict") -> type[BaseMode
             raise PlacementConfigError(
                 f"verdict field {field!r}: type must be one of {sorted(_SCHEMA_TYPES)}"
             )
+        allow_inf_nan = spec.pop("allow_inf_nan", False)
+        if allow_inf_nan not in (True, False) or (allow_inf_nan and kind != "number"):
+            raise PlacementConfigError(
+                f"verdict field {field!r}: allow_inf_nan is true or false, on a number field"
+            )
         constraints = {
             "ge": spec.pop("minimum", None),
             "le": spec.pop("maximum", None),
             "description": spec.pop("description", None),
+            "allow_inf_nan": True if allow_inf_nan else None,
         }
         if spec:
             raise PlacementConfigError(f"verdict field {field!r}: unknown keys {sorted(spec)}")
+        if allow_inf_nan:
+            non_finite.add(field)
         definitions[field] = (
             _SCHEMA_TYPES[kind],
             Field(..., **{k: v for k, v in constraints.items() if v is not None}),
         )
-    model: type[BaseModel] = create_model(
-        name, __config__=ConfigDict(extra="forbid", strict=False), **definitions
-    )
+    model: type[FieldTableVerdict] = create_model(name, __base__=FieldTableVerdict, **definitions)
+    model.non_finite_fields = frozenset(non_finite)
     return model
 
 
