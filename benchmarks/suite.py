@@ -794,9 +794,49 @@ async def proxy_section(env: Environment) -> str:
     turns = env.options.proxy_turns
     direct, proxied = await anyio.to_thread.run_sync(measure, turns)
     rows = [Row("through the proxy", Series("p", proxied), "direct", Series("d", direct))]
-    return (
+    text = (
         f"Model proxy: one chat turn against a local scripted endpoint, direct vs through the "
         f"recording proxy (n={turns}, interleaved; `benchmarks.proxy_latency`).\n\n"
+        + rows_table(rows, tail=0.9)
+    )
+    return text + "\n\n" + await proxy_routes_section(env)
+
+
+async def proxy_routes_section(env: Environment) -> str:
+    """A proxied turn from inside a container: the channel relay (``network="none"``)
+    against the bridge's gateway and against a direct host call, in the same run."""
+    from .proxy_routes import ROUNDS, measure
+
+    turns = env.options.proxy_turns
+    series = await measure(turns, env.options.image)
+    channel = Series("channel", series["channel"])
+    bridge = Series("bridge", series["bridge"])
+    direct = Series("direct", series["direct"])
+    added = channel.median_ms - direct.median_ms
+    rows = [
+        Row(
+            "network=none, channel relay, proxy",
+            channel,
+            "network=bridge, gateway, proxy",
+            bridge,
+            "<= 2x",
+            channel.median_ms <= 2 * bridge.median_ms,
+        ),
+        Row(
+            "network=none, channel relay, proxy",
+            channel,
+            "host, direct to the endpoint",
+            direct,
+            f"<= +3 ms (+{added:.2f})",
+            added <= 3.0,
+        ),
+        Row("network=bridge, gateway, proxy", bridge, "host, direct to the endpoint", direct),
+    ]
+    return (
+        f"Proxied model turn from inside a Docker container (`{env.options.image}`), one "
+        f"keep-alive `http.client` connection, n={turns} per path in {ROUNDS} interleaved rounds "
+        "(`benchmarks.proxy_routes`): through the channel relay with no network, through the "
+        "bridge's gateway, and a direct host call to the scripted endpoint (no proxy).\n\n"
         + rows_table(rows, tail=0.9)
     )
 

@@ -52,7 +52,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import anyio
 from pydantic import Field
@@ -157,8 +157,10 @@ class InstalledConfig(HarnessConfig):
     set of requirements gets its own venv). ``install_root`` is where agents live inside the sandbox
     (with the subprocess runtime that is the host's filesystem). ``wheelhouse`` is a
     host directory of wheels prepared beforehand (nothing is downloaded then);
-    otherwise the host downloads one into its cache. ``proxy_url`` / ``proxy_bind_host``
-    override how the sandbox reaches the model proxy (see :mod:`harnesses.proxy`).
+    otherwise the host downloads one into its cache. ``proxy_route`` picks the runtime's
+    route to the model proxy (``None``: its default, the channel relay where it has one;
+    ``"gateway"``, ``"forward"``, ``"loopback"`` explicitly); ``proxy_url`` /
+    ``proxy_bind_host`` override it (see :mod:`harnesses.proxy`).
     """
 
     version: str
@@ -172,6 +174,7 @@ class InstalledConfig(HarnessConfig):
     lock_timeout: float = Field(default=1800.0, gt=0)
     proxy_url: str | None = None
     proxy_bind_host: str | None = None
+    proxy_route: Literal["channel", "loopback", "gateway", "forward"] | None = None
     cwd: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     user: str | None = Field(
@@ -523,7 +526,10 @@ class InstalledHarness(Harness):
             try:
                 await self.setup(sandbox)
                 route = await route_to_host(
-                    sandbox, proxy_url=self.config.proxy_url, bind_host=self.config.proxy_bind_host
+                    sandbox,
+                    proxy_url=self.config.proxy_url,
+                    bind_host=self.config.proxy_bind_host,
+                    via=self.config.proxy_route,
                 )
                 with ModelProxy(host=route.bind_host) as proxy:
                     await self._run_agent(sandbox, text, route, proxy, model, budget, trace)
@@ -566,9 +572,14 @@ class InstalledHarness(Harness):
                     budget=budget,
                 )
                 result = await self._exec_watching_budget(runtime, launch, proxy_run)
+                lost = route.lost()
             finally:
                 with anyio.CancelScope(shield=True):
                     await route.release(runtime)
+        if lost is not None and trace.error is None:
+            # The agent's model calls could not reach the proxy any more: that is the cause,
+            # whatever the agent made of its connection errors.
+            trace.fail("sandbox_error", f"the route to the model proxy ({route.via}) died: {lost}")
         if result is not None and result.exit_code != 0 and trace.error is None:
             self._record_agent_failure(result, trace)
         await self.collect(runtime, run_dir, result, trace)

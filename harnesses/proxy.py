@@ -17,8 +17,12 @@ proxy serves ``POST /v1/chat/completions`` (and ``/chat/completions``, and
    through unchanged (429, 500, ... reach the agent as the provider sent them).
    An unreachable upstream is a 502, an upstream timeout a 504.
 
-Streaming (``"stream": true``) is refused with a 400 naming the reason: the trace
-records whole replies.
+Streaming (``"stream": true``) is answered with server-sent events (``data: {chunk}``,
+then ``data: [DONE]``) cut from the whole reply: a forwarding run asks its upstream for a
+whole (non-streaming) completion, records it, and streams it back re-chunked; a gated run
+streams the completion its caller delivered. Errors keep their status and JSON body (as
+providers answer a streaming request that fails before its first token). The trace records
+the whole reply either way (:func:`sse_body`).
 
 **Gated mode** (:meth:`ModelProxy.open_gated_run`, for online RL): instead of forwarding,
 the proxy parks each request in a :class:`~harnesses.gate.RequestGate` and answers the
@@ -29,12 +33,12 @@ undelivered past the gate's delivery timeout is answered ``504`` (``gate_timeout
 answers ``503``. :mod:`harnesses.session` builds the trainer-facing contract on it.
 
 The server is a thread (:mod:`harnesses._http`), so it serves whatever event loop the
-caller runs. Where it binds, and the URL the sandbox uses, depend on the backend
-(:func:`route_to_host`): ``127.0.0.1`` for sandboxes sharing the host's network (the
-subprocess runtime, Docker with ``network="host"``); the bridge gateway for Docker
-containers on a bridge network; ``127.0.0.1`` plus a reverse forward
-(``runtime.forward_remote``) for SSH; for Modal or any sandbox without a route to the
-host the user exposes the proxy (a tunnel) and passes its URL.
+caller runs. Where it binds, and the URL the sandbox uses, are the runtime's to say
+(:func:`route_to_host` asks :meth:`runtimes.base.Runtime.plan_host_route` and
+:meth:`~runtimes.base.Runtime.expose_host`): by default a relay over the sandbox's channel
+(Docker with any network, SSH, Modal) or the loopback (subprocess, Docker
+``network="host"``); the bridge gateway and an SSH reverse forward on request; a URL the
+user exposed (``proxy_url``).
 """
 
 from __future__ import annotations
@@ -42,16 +46,17 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Self
 
 import httpx
 
 from runtimes import Runtime
+from runtimes.errors import HostRouteError
+from runtimes.routes import HostRoute
 
 from ._http import HTTPRequest, HTTPResponse, LocalHTTPServer, error_response, json_response
 from .base import Budget, BudgetClock, Trace, Turn, utc_now
@@ -61,12 +66,12 @@ from .models import ModelEndpoint, parse_chat_completion, redact
 
 __all__ = [
     "BUDGET_EXCEEDED_STATUS",
+    "SSE_PIECE",
     "ModelProxy",
     "ProxyRoute",
     "ProxyRun",
-    "SupportsRemoteForward",
     "route_to_host",
-    "sandbox_default_gateway",
+    "sse_body",
 ]
 
 log = logging.getLogger("harnesses.proxy")
@@ -256,17 +261,19 @@ class ModelProxy:
             return error_response(400, f"request body is not JSON: {exc}")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return error_response(400, "request body must be an object with a 'messages' list")
-        if body.get("stream"):
-            return error_response(
-                400, "the vf-sandbox model proxy does not stream: send 'stream': false"
-            )
+        stream = body.get("stream") is True
+        options = body.get("stream_options")
+        usage_chunk = stream and isinstance(options, dict) and bool(options.get("include_usage"))
         turn, refusal = self._admit(run, body)
         if refusal is not None:
             return refusal
         assert turn is not None
         if run.gate is not None:
-            return self._answer_gated(run, run.gate, turn, body)
-        return self._forward(run, turn, body)
+            answer = self._answer_gated(run, run.gate, turn, body)
+        else:
+            whole = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+            answer = self._forward(run, turn, whole)
+        return _streamed(answer, include_usage=usage_chunk) if stream else answer
 
     def _authenticate(self, request: HTTPRequest) -> ProxyRun | None:
         token = request.bearer_token() or request.header("x-api-key")
@@ -379,6 +386,79 @@ class ModelProxy:
         return error_response(status, message, kind="upstream_error")
 
 
+SSE_PIECE = 48
+"""Characters of content (or of a tool call's arguments) per streamed chunk."""
+
+
+def _streamed(answer: HTTPResponse, *, include_usage: bool) -> HTTPResponse:
+    """A successful chat completion re-cut as server-sent events; anything else (an error,
+    a body that is not a completion) as it is."""
+    if answer.status != 200:
+        return answer
+    try:
+        completion = json.loads(answer.body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return answer
+    if not isinstance(completion, dict) or not isinstance(completion.get("choices"), list):
+        return answer
+    return HTTPResponse(
+        200,
+        sse_body(completion, include_usage=include_usage),
+        {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+    )
+
+
+def sse_body(completion: dict[str, Any], *, include_usage: bool = False) -> bytes:
+    """A whole chat completion as the ``chat.completion.chunk`` events a streaming provider
+    would send: per choice the role, the content in pieces, each tool call (id, type and
+    name first, then its arguments in pieces, by ``index``), the finish reason; then the
+    usage (when asked for with ``stream_options.include_usage``) and ``[DONE]``."""
+    head = {
+        "id": completion.get("id") or f"chatcmpl-{secrets.token_hex(12)}",
+        "object": "chat.completion.chunk",
+        "created": completion.get("created") or int(time.time()),
+        "model": completion.get("model") or "",
+    }
+    events: list[dict[str, Any]] = []
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> None:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        events.append({**head, "choices": [choice]})
+
+    for position, choice in enumerate(completion["choices"]):
+        if not isinstance(choice, dict):
+            continue
+        index = choice.get("index", position)
+        message = choice.get("message") or {}
+        chunk(index, {"role": message.get("role") or "assistant", "content": ""})
+        content = message.get("content")
+        if isinstance(content, str):
+            for start in range(0, len(content), SSE_PIECE):
+                chunk(index, {"content": content[start : start + SSE_PIECE]})
+        for number, call in enumerate(message.get("tool_calls") or []):
+            function = call.get("function") or {}
+            opening = {
+                "index": number,
+                "id": call.get("id"),
+                "type": call.get("type") or "function",
+                "function": {"name": function.get("name"), "arguments": ""},
+            }
+            chunk(index, {"tool_calls": [opening]})
+            arguments = function.get("arguments") or ""
+            for start in range(0, len(arguments), SSE_PIECE):
+                piece = {
+                    "index": number,
+                    "function": {"arguments": arguments[start : start + SSE_PIECE]},
+                }
+                chunk(index, {"tool_calls": [piece]})
+        chunk(index, {}, choice.get("finish_reason") or "stop")
+    if include_usage and completion.get("usage") is not None:
+        events.append({**head, "choices": [], "usage": completion["usage"]})
+    lines = [f"data: {json.dumps(event, separators=(',', ':'))}\n\n" for event in events]
+    lines.append("data: [DONE]\n\n")
+    return "".join(lines).encode("utf-8")
+
+
 def _model_card(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "owned_by": "vf-sandbox-proxy"}
 
@@ -386,116 +466,72 @@ def _model_card(model: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------- routing
 
 
-@runtime_checkable
-class SupportsRemoteForward(Protocol):
-    """Runtimes (SSH) that can make a host port reachable inside the sandbox."""
-
-    async def forward_remote(self, local_port: int) -> int: ...
-
-
 @dataclass
 class ProxyRoute:
     """Where the proxy listens on the host, and how the sandbox reaches it.
 
-    ``via`` is ``"loopback"`` (shared network namespace), ``"gateway"`` (the sandbox's
-    default gateway is this host, e.g. a Docker bridge), ``"forward"`` (a reverse port
-    forward, e.g. SSH) or ``"url"`` (a URL the user exposed, e.g. a tunnel for Modal).
+    ``via`` is a route of the runtime (:mod:`runtimes.routes`: ``"channel"``, a relay over
+    the sandbox's channel, the default where it runs; ``"loopback"``; ``"gateway"``;
+    ``"forward"``) or ``"url"`` (a URL the user exposed, e.g. a tunnel). The runtime makes
+    the route (:meth:`runtimes.base.Runtime.expose_host`); this module never probes the
+    sandbox itself.
     """
 
     bind_host: str
     via: str
-    sandbox_host: str | None = None
     url: str | None = None
-    forwarded_port: int | None = None
+    exposed: HostRoute | None = None
 
     async def sandbox_base_url(self, runtime: Runtime, proxy: ModelProxy) -> str:
         """The proxy's base URL as seen from inside the sandbox.
 
         Raises:
-            SandboxError: the reverse forward was refused (SSH).
+            HostRouteError: the route could not be made (the channel is down, the forward
+                was refused...).
+            SandboxError: the sandbox failed.
         """
         if self.url is not None:
             return self.url.rstrip("/")
-        if self.via == "forward":
-            assert isinstance(runtime, SupportsRemoteForward)
-            self.forwarded_port = await runtime.forward_remote(proxy.port)
-            return f"http://127.0.0.1:{self.forwarded_port}/v1"
-        return f"http://{self.sandbox_host}:{proxy.port}/v1"
+        self.exposed = await runtime.expose_host(proxy.port, via=self.via)
+        return self.exposed.url("/v1")
+
+    def lost(self) -> str | None:
+        """Why the route stopped carrying traffic (its channel relay died), or ``None``."""
+        return self.exposed.lost() if self.exposed is not None else None
 
     async def release(self, runtime: Runtime) -> None:
-        """Undo what :meth:`sandbox_base_url` set up (the SSH reverse forward).
+        """Undo what :meth:`sandbox_base_url` set up (a relay, an SSH reverse forward).
 
         Raises:
-            SandboxError: the sandbox failed while cancelling the forward.
+            SandboxError: the sandbox failed while undoing it.
         """
-        port, self.forwarded_port = self.forwarded_port, None
-        cancel = getattr(runtime, "cancel_forward_remote", None)
-        if port is not None and cancel is not None and not runtime.closed:
-            await cancel(port)
+        exposed, self.exposed = self.exposed, None
+        if exposed is not None:
+            await exposed.close()
 
 
 async def route_to_host(
-    runtime: Runtime, *, proxy_url: str | None = None, bind_host: str | None = None
+    runtime: Runtime,
+    *,
+    proxy_url: str | None = None,
+    bind_host: str | None = None,
+    via: str | None = None,
 ) -> ProxyRoute:
-    """How a process in ``runtime`` can reach a proxy on this host.
+    """How a process in ``runtime`` can reach a proxy on this host: the runtime's default
+    route (:meth:`runtimes.base.Runtime.host_routes`), or ``via`` when given.
 
     ``proxy_url`` (a URL the user made reachable from the sandbox, e.g. a tunnel) and
     ``bind_host`` override the choice.
 
     Raises:
-        ProxyRouteError: the sandbox has no route to the host (a container with
-            ``network="none"``, a remote sandbox without a forward); the message says
-            what to configure.
+        ProxyRouteError: the sandbox has no such route (or none); the message says what to
+            configure.
         SandboxError: probing the sandbox failed.
     """
     if proxy_url is not None:
         return ProxyRoute(bind_host=bind_host or "127.0.0.1", via="url", url=proxy_url)
-    if runtime.config.is_local():
-        host = bind_host or "127.0.0.1"
-        return ProxyRoute(bind_host=host, via="loopback", sandbox_host=host)
-    if isinstance(runtime, SupportsRemoteForward):
-        return ProxyRoute(bind_host=bind_host or "127.0.0.1", via="forward")
-    gateway = await sandbox_default_gateway(runtime)
-    if gateway is None:
-        raise ProxyRouteError(
-            f"{runtime.describe()} has no network route to the host, so an agent inside it "
-            f"cannot reach the model proxy. Give the sandbox a network (Docker: "
-            f"network='bridge'), or expose the proxy yourself and pass proxy_url"
-        )
-    if not _is_local_address(gateway):
-        raise ProxyRouteError(
-            f"{runtime.describe()} routes through {gateway}, which is not an address of this "
-            f"host: expose the model proxy to the sandbox (a tunnel) and pass proxy_url"
-        )
-    return ProxyRoute(bind_host=bind_host or gateway, via="gateway", sandbox_host=gateway)
-
-
-async def sandbox_default_gateway(runtime: Runtime) -> str | None:
-    """The IPv4 default gateway inside a Linux sandbox (from ``/proc/net/route``), or ``None``.
-
-    Raises:
-        SandboxError: the sandbox failed (typed, from :mod:`runtimes.errors`).
-    """
-    table = await runtime.exec(["cat", "/proc/net/route"], timeout=30)
-    if table.exit_code != 0:
-        return None
-    return _gateway_from_route_table(table.stdout)
-
-
-def _gateway_from_route_table(text: str) -> str | None:
-    for line in text.splitlines()[1:]:
-        fields = line.split()
-        if len(fields) >= 3 and fields[1] == "00000000" and fields[2] != "00000000":
-            raw = bytes.fromhex(fields[2])
-            return ".".join(str(b) for b in reversed(raw))
-    return None
-
-
-def _is_local_address(address: str) -> bool:
-    """Whether ``address`` belongs to an interface of this host (it can be bound)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((address, 0))
-        except OSError:
-            return False
-    return True
+    try:
+        kind, address = await runtime.plan_host_route(via)
+    except HostRouteError as exc:
+        raise ProxyRouteError(f"no route to the model proxy: {exc}") from exc
+    return ProxyRoute(bind_host=bind_host or address, via=kind)

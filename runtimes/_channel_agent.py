@@ -45,8 +45,12 @@ the first start): sha256 of the interpreter, of every module loaded and of
 waited on), ``internal`` (an unexpected failure, message attached) or ``unsupported`` (the
 host then uses its plain path).
 
+The relay (``LISTEN``, see :class:`Listener`): a TCP listener on the sandbox's loopback whose
+connections are carried as streams over this channel to a port on the host (the model proxy),
+each with a bounded window of unacknowledged bytes per direction.
+
 On EOF of its stdin (the host closed the channel, or died) the agent kills the process group
-of every command still running, then exits.
+of every command still running, closes every relayed connection, then exits.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import os
 import queue
 import select
 import signal
+import socket
 import stat
 import struct
 import subprocess
@@ -70,7 +75,7 @@ if TYPE_CHECKING:  # typing and json import re: milliseconds of start-up for not
     from collections.abc import Callable
     from typing import Any
 
-VERSION = 2
+VERSION = 3
 
 HEADER = struct.Struct(">BII")
 SEQ = struct.Struct(">Q")
@@ -93,6 +98,16 @@ HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, CHUNK, DONE, ACK = 64, 65, 66, 67, 
 ALERT, DIGEST = 73, 74
 """Request id 0: ALERT (text reason): the agent received a frame that failed authentication
 and exits; DIGEST (text path, 32-byte sha256, repeated): the files the agent runs from."""
+# the relay (see Listener): LISTEN host -> agent, OPENED agent -> host, the rest both ways
+LISTEN = 9
+OPENED = 75
+R_DATA, R_ACK, R_EOF, R_CLOSE = 32, 33, 34, 35
+RELAY_KINDS = frozenset((OPENED, R_DATA, R_ACK, R_EOF, R_CLOSE))
+RELAY_BIT = 0x80000000
+"""Relayed connections are numbered by the agent, with this bit set (the host's request ids
+never have it): each is a stream of its own, with a window of unacknowledged bytes per
+direction."""
+RELAY_CHUNK = 64 * 1024
 
 READ_CHUNK = 256 * 1024
 PIPE_CHUNK = 64 * 1024
@@ -269,6 +284,7 @@ class Agent:
         self.requests: dict[int, Any] = {}
         self.lock = threading.Lock()
         self.env = dict(os.environ)
+        self.next_conn = 0
 
     # ------------------------------------------------------------------ the main loop
 
@@ -343,6 +359,16 @@ class Agent:
             self.start(rid, Write(self, rid, header, inline))
         elif kind == READ:
             self.start(rid, Read(self, rid, read_header(payload)))
+        elif kind in (R_DATA, R_ACK, R_EOF, R_CLOSE):
+            with self.lock:
+                conn = self.requests.get(rid)
+            if conn is not None:
+                conn.on_frame(kind, payload)
+        elif kind == LISTEN:
+            listener = Listener(self, rid, payload)
+            with self.lock:
+                self.requests[rid] = listener
+            listener.open()
         elif kind == STAT:
             self.workers.submit(self.stat, rid, path_header(payload))
         elif kind == REMOVE:
@@ -655,6 +681,204 @@ def resolve_group(group: str, spec: str) -> int:
         return grp.getgrnam(group).gr_gid
     except KeyError:
         raise Refused(errno.EINVAL, "user", f"no such group in {spec!r}") from None
+
+
+# ---------------------------------------------------------------------- relay
+
+
+class Listener:
+    """``LISTEN`` (``u32 max connections | u32 window | u16 port``, 0: any free port): a
+    TCP listener on the sandbox's loopback, answered with ``DONE`` (``u16`` port) or one
+    ``ERROR``. Each accepted connection is announced with ``OPENED`` (request id: the
+    connection's own, ``RELAY_BIT`` set; payload: ``u32`` the listener's id) and then relayed
+    as ``R_DATA`` / ``R_ACK`` / ``R_EOF`` / ``R_CLOSE`` frames; connections beyond the
+    maximum are closed at once. ``KILL`` on the listener's id closes it and its connections.
+    The bytes are opaque: the agent never reads them, the host's service answers them."""
+
+    def __init__(self, agent: Agent, rid: int, payload: bytes) -> None:
+        fields = Fields(payload)
+        self.agent = agent
+        self.rid = rid
+        self.limit = fields.number(U32)
+        self.window = fields.number(U32)
+        self.port = fields.number(struct.Struct(">H"))
+        self.sock: socket.socket | None = None
+        self.conns: dict[int, Conn] = {}
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def open(self) -> None:
+        try:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", self.port))
+            sock.listen(64)
+        except OSError as exc:
+            self.agent.finish(self.rid)
+            self.agent.out.error(self.rid, exc.errno or 0, "path", exc.strerror or "")
+            return
+        sock.set_inheritable(False)
+        self.sock = sock
+        self.agent.out.send(DONE, self.rid, struct.pack(">H", sock.getsockname()[1]))
+        self.agent.workers.submit(self.accept_loop)
+
+    def accept_loop(self) -> None:
+        sock = self.sock
+        assert sock is not None
+        while not self.closed:
+            try:
+                accepted, _ = sock.accept()
+            except OSError:
+                if self.is_closed():
+                    return
+                time.sleep(0.01)  # EMFILE or an aborted handshake: go on accepting
+                continue
+            with self.lock:
+                if self.closed or len(self.conns) >= self.limit:
+                    accepted.close()  # the client sees its connection closed: it fails fast
+                    continue
+                self.agent.next_conn = self.agent.next_conn % 0x7FFFFFFF + 1
+                cid = RELAY_BIT | self.agent.next_conn
+                conn = Conn(self, cid, accepted)
+                self.conns[cid] = conn
+            with self.agent.lock:
+                self.agent.requests[cid] = conn
+            self.agent.out.send(OPENED, cid, U32.pack(self.rid))
+            conn.start()
+
+    def is_closed(self) -> bool:
+        return self.closed
+
+    def forget(self, cid: int) -> None:
+        with self.lock:
+            self.conns.pop(cid, None)
+        self.agent.finish(cid)
+
+    def feed(self, data: bytes | None) -> None:
+        pass
+
+    def kill(self) -> None:
+        with self.lock:
+            self.closed = True
+            conns = list(self.conns.values())
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
+            self.sock.close()
+        for conn in conns:
+            conn.abort(False)
+        self.agent.finish(self.rid)
+
+
+class Conn:
+    """One relayed connection: socket -> host as ``R_DATA`` while the host's window allows
+    (``R_ACK`` reopens it), host -> socket from a queue; ``R_EOF`` half-closes, ``R_CLOSE``
+    aborts. Two worker threads; the main thread only queues."""
+
+    def __init__(self, listener: Listener, cid: int, sock: socket.socket) -> None:
+        self.listener = listener
+        self.out = listener.agent.out
+        self.cid = cid
+        self.sock = sock
+        self.credit = listener.window
+        self.cond = threading.Condition()
+        self.incoming: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.closed = False
+        self.halves = 0
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def start(self) -> None:
+        workers = self.listener.agent.workers
+        workers.submit(self.pump_out)
+        workers.submit(self.pump_in)
+
+    def on_frame(self, kind: int, payload: bytes) -> None:
+        if kind == R_DATA:
+            self.incoming.put(payload)
+        elif kind == R_EOF:
+            self.incoming.put(None)
+        elif kind == R_ACK:
+            with self.cond:
+                self.credit += U32.unpack(payload)[0]
+                self.cond.notify()
+        elif kind == R_CLOSE:
+            self.abort(False)
+
+    def feed(self, data: bytes | None) -> None:
+        pass
+
+    def is_closed(self) -> bool:
+        return self.closed
+
+    def kill(self) -> None:
+        self.abort(False)
+
+    def pump_out(self) -> None:
+        """The client's bytes to the host, never more than the window unacknowledged."""
+        while True:
+            with self.cond:
+                while self.credit <= 0 and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                size = min(self.credit, RELAY_CHUNK)
+            try:
+                data = self.sock.recv(size)
+            except OSError:
+                self.abort(True)
+                return
+            if self.is_closed():
+                return
+            if not data:
+                self.out.send(R_EOF, self.cid)
+                self.half_closed()
+                return
+            with self.cond:
+                self.credit -= len(data)
+            self.out.send(R_DATA, self.cid, data)
+
+    def pump_in(self) -> None:
+        """The host's bytes to the client, acknowledged once written."""
+        while True:
+            data = self.incoming.get()
+            if self.closed:
+                return
+            try:
+                if data is None:
+                    self.sock.shutdown(socket.SHUT_WR)
+                else:
+                    self.sock.sendall(data)
+            except OSError:
+                self.abort(True)
+                return
+            if data is None:
+                self.half_closed()
+                return
+            self.out.send(R_ACK, self.cid, U32.pack(len(data)))
+
+    def half_closed(self) -> None:
+        with self.cond:
+            self.halves += 1
+            done = self.halves == 2 and not self.closed
+            if done:
+                self.closed = True
+        if done:
+            self.sock.close()
+            self.listener.forget(self.cid)
+
+    def abort(self, tell_host: bool) -> None:
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            self.cond.notify_all()
+        self.incoming.put(b"")  # wakes pump_in
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes pump_out
+        self.sock.close()
+        self.listener.forget(self.cid)
+        if tell_host:
+            self.out.send(R_CLOSE, self.cid)
 
 
 # ---------------------------------------------------------------------- files

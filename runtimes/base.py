@@ -38,6 +38,7 @@ from ._extract import extract_archive
 from .config import RuntimeConfig
 from .errors import (
     ExecTimeoutError,
+    HostRouteError,
     OutputLimitExceededError,
     SandboxError,
     SandboxFileNotFoundError,
@@ -46,6 +47,7 @@ from .errors import (
 )
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
 from .policy import PolicyAccount
+from .routes import HostRoute, RouteKind, choose_route
 
 log = logging.getLogger("runtimes")
 
@@ -524,6 +526,62 @@ class Runtime(abc.ABC):
         resolved = self.resolve_path(remote)
         with self._guard("download", resolved):
             await self._download(resolved, Path(local), skip_unsafe=skip_unsafe)
+
+    # ------------------------------------------------------------------ routes to the host
+
+    def host_routes(self) -> tuple[RouteKind, ...]:
+        """The routes by which a process in this sandbox can reach a port on the host,
+        the default first (see :mod:`runtimes.routes`). Empty: none."""
+        return self._host_routes() if self._state == _OPEN else ()
+
+    async def plan_host_route(self, via: str | None = None) -> tuple[RouteKind, str]:
+        """The route :meth:`expose_host` will take (``via``, or the default) and the host
+        address the service must listen on for it (``127.0.0.1`` except for ``gateway``).
+
+        Raises:
+            HostRouteError: the sandbox has no such route (or none); the message says what
+                to configure.
+            SandboxUnavailableError: the sandbox is closed.
+            SandboxError: probing the sandbox failed.
+        """
+        self._check_open()
+        kind = choose_route(self._host_routes(), via, self.describe(), self._route_hint())
+        with self._guard("planning a route to the host"):
+            return kind, await self._host_bind_address(kind)
+
+    async def expose_host(self, port: int, *, via: str | None = None) -> HostRoute:
+        """Make ``port`` of the host (listening on :meth:`plan_host_route`'s address)
+        reachable from inside the sandbox; close the returned route when done (the runtime's
+        ``close()`` ends it too).
+
+        Raises:
+            HostRouteError: no such route, or it could not be made (the channel is down,
+                the agent could not listen, the forward was refused).
+            SandboxInvalidArgumentError: ``port`` is not a TCP port.
+            SandboxUnavailableError: the sandbox is closed or stopped answering.
+        """
+        self._check_open()
+        if not 0 < port < 65536:
+            raise SandboxInvalidArgumentError(f"not a TCP port: {port}")
+        kind = choose_route(self._host_routes(), via, self.describe(), self._route_hint())
+        with self._guard("exposing a host port"):
+            return await self._expose_host(port, kind)
+
+    def _host_routes(self) -> tuple[RouteKind, ...]:
+        """The routes this backend has now, the default first."""
+        return ()
+
+    def _route_hint(self) -> str:
+        """What to configure for a route (for :class:`HostRouteError` messages)."""
+        return ""
+
+    async def _host_bind_address(self, via: RouteKind) -> str:
+        """Where a host service must listen for ``via`` (one of :meth:`_host_routes`)."""
+        return "127.0.0.1"
+
+    async def _expose_host(self, port: int, via: RouteKind) -> HostRoute:
+        """Make the route (``via`` is one of :meth:`_host_routes`)."""
+        raise HostRouteError(f"{self.describe()} cannot make a {via!r} route", via=via)
 
     async def stop_processes(self) -> int:
         """Kill every process this runtime's commands started that is still running;

@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import contextlib
 import errno
 import hashlib
 import hmac
@@ -35,6 +36,8 @@ import logging
 import math
 import queue
 import secrets
+import socket
+import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -50,6 +53,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from . import _channel_agent as agent
 from .errors import (
     ChannelTamperedError,
+    HostRouteError,
     OutputLimitExceededError,
     SandboxError,
     SandboxFileNotFoundError,
@@ -73,6 +77,7 @@ __all__ = [
     "ChannelInfo",
     "ChannelSupervisor",
     "ChannelTransport",
+    "RelayListener",
     "agent_command",
     "agent_source",
 ]
@@ -105,6 +110,15 @@ NEXT_PROBE = 5.0
 (a paused or stopped container never answers: it must not hang the caller)."""
 MAX_RESTARTS = 3
 RESTART_WINDOW = 60.0
+RELAY_WINDOW = 256 * 1024
+"""Unacknowledged bytes per relayed connection and direction: what either side may hold of
+a connection whose reader is slow. Host memory for relays: at most this times 2 times
+:data:`MAX_RELAYED` per channel."""
+MAX_RELAYED = 32
+"""Relayed connections open at once per listener; the agent closes more at once."""
+RELAY_CONNECT_TIMEOUT = 10.0
+"""Seconds for the host's service to accept a relayed connection."""
+_U16 = struct.Struct(">H")
 
 _DATA_KINDS = frozenset((agent.STDOUT, agent.STDERR, agent.CHUNK))
 _LOST = -1
@@ -314,6 +328,10 @@ class Channel:
         self._unsupported = False
         self._loop: object | None = None
         self._call_soon: Callable[[Callable[[], None]], object] | None = None
+        self._seq_lock = threading.Lock()
+        """Frames are sent from the event loop and from relay threads: a frame's sequence
+        number and its place in the stream must agree."""
+        self._relay = _Relay(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -382,6 +400,7 @@ class Channel:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._relay.shutdown(self.tampered or "the channel to the sandbox was closed")
         self._outbox.put(None)
         if wait:
             self._close_transport()
@@ -486,6 +505,8 @@ class Channel:
                     greeted = True
                     self._send_key()
                 frames, tampered = self._parse(buf)
+                if frames and tampered is None:
+                    frames, tampered = self._relay.take(frames)
                 if frames:
                     self._deliver_soon(frames)
                 if tampered is not None:
@@ -496,6 +517,7 @@ class Channel:
                 log.debug("%s: reading from the agent failed: %r", self.label, exc)
         finally:
             self._broken.set()
+            self._relay.shutdown(self.tampered or "the channel to the sandbox ended")
             self._soon(self._on_lost)
 
     def _send_key(self) -> None:
@@ -631,7 +653,7 @@ class Channel:
             raise ChannelLost(f"{self.label}: the channel is closed", sent=False)
         rid = self._last_id
         while True:
-            rid = rid % 0xFFFFFFFF + 1
+            rid = rid % (agent.RELAY_BIT - 1) + 1  # the relay bit marks the agent's ids
             if rid not in self._requests:
                 break
         self._last_id = rid
@@ -654,26 +676,33 @@ class Channel:
 
     def _send(self, kind: int, rid: int, payload: bytes = b"") -> None:
         header = FRAME.pack(kind, rid, len(payload))
-        tag = agent.mac(self._key, self._seq_out, header, payload)
-        self._seq_out += 1
-        self._emit(header + payload + tag)
+        with self._seq_lock:
+            tag = agent.mac(self._key, self._seq_out, header, payload)
+            self._seq_out += 1
+            self._emit(header + payload + tag)
+
+    def _relay_send(self, kind: int, rid: int, payload: bytes = b"") -> None:
+        """A relay frame, from a relay thread: dropped once the stream is gone."""
+        if self.tampered is None and not self._broken.is_set() and not self._closed.is_set():
+            self._send(kind, rid, payload)
 
     def _send_with_header(
         self, kind: int, rid: int, header: bytes, inline: bytes | memoryview
     ) -> None:
         prefix = U32.pack(len(header)) + header
         frame = FRAME.pack(kind, rid, len(prefix) + len(inline))
-        if len(inline) < 4096:
-            body = prefix + bytes(inline)
-            tag = agent.mac(self._key, self._seq_out, frame, body)
+        with self._seq_lock:
+            if len(inline) < 4096:
+                body = prefix + bytes(inline)
+                tag = agent.mac(self._key, self._seq_out, frame, body)
+                self._seq_out += 1
+                self._emit(frame + body + tag)
+                return
+            digest = hmac.new(self._key, SEQ.pack(self._seq_out) + frame, hashlib.sha256)
+            digest.update(prefix)
+            digest.update(inline)
             self._seq_out += 1
-            self._emit(frame + body + tag)
-            return
-        digest = hmac.new(self._key, SEQ.pack(self._seq_out) + frame, hashlib.sha256)
-        digest.update(prefix)
-        digest.update(inline)
-        self._seq_out += 1
-        self._emit(frame + prefix + inline + digest.digest()[:TAG])
+            self._emit(frame + prefix + inline + digest.digest()[:TAG])
 
     async def _next(self, request: _Request, *, file: bool = False) -> Frame:
         """The request's next frame. A silence is met with the backend's liveness probe;
@@ -893,6 +922,314 @@ class Channel:
             raise ChannelLost(f"{self.label}: the channel died during a file operation")
         finally:
             self._finish(pending)
+
+    async def listen(
+        self, target: tuple[str, int], *, port: int = 0, max_connections: int = MAX_RELAYED
+    ) -> RelayListener:
+        """A TCP listener on the sandbox's loopback (``port``, 0: a free one) whose every
+        connection is relayed over this channel to ``target`` on the host.
+
+        Raises:
+            HostRouteError: the agent could not listen (the port is taken...).
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        pending = self._open()
+        listener = RelayListener(self, pending, target, max_connections)
+        self._relay.add(listener)  # before LISTEN: OPENED may overtake its DONE
+        ready = False
+        try:
+            payload = U32.pack(max_connections) + U32.pack(RELAY_WINDOW) + _U16.pack(port)
+            self._send(agent.LISTEN, pending.rid, payload)
+            kind, answer = await self._next(pending, file=True)
+            if kind == agent.DONE:
+                listener.sandbox_port = _U16.unpack(answer)[0]
+                ready = True
+                return listener
+            if kind == agent.ERROR:
+                _, _, message = _decode_error(answer)
+                raise HostRouteError(
+                    f"{self.label}: the agent cannot listen on 127.0.0.1:{port}: {message}",
+                    via="channel",
+                )
+            raise ChannelLost(f"{self.label}: the channel died while the relay started")
+        finally:
+            if not ready:
+                self._relay.remove(listener, "the relay never started")
+                self._finish(pending)
+
+
+class RelayListener:
+    """A relay's listener in the sandbox (:meth:`Channel.listen`): ``sandbox_port`` on the
+    sandbox's ``127.0.0.1`` reaches ``target`` on the host. ``lost`` says why it stopped
+    serving (the channel died or closed), ``None`` while it serves."""
+
+    def __init__(
+        self, channel: Channel, request: _Request, target: tuple[str, int], max_connections: int
+    ) -> None:
+        self.channel = channel
+        self.request = request
+        self.target = target
+        self.max_connections = max_connections
+        self.sandbox_port = 0
+        self.lost: str | None = None
+        self.connections: dict[int, _RelayedConnection] = {}
+        self.accepted = 0
+        """Connections relayed so far (for tests and benchmarks)."""
+
+    @property
+    def rid(self) -> int:
+        return self.request.rid
+
+    async def aclose(self) -> None:
+        """Stop listening in the sandbox and close every relayed connection (idempotent;
+        call from the channel's event loop)."""
+        chan = self.channel
+        if self.lost is None and chan.usable:
+            chan._send(agent.KILL, self.rid)
+        chan._relay.remove(self, "the relay was closed")
+        if not chan.foreign_loop:
+            chan._finish(self.request)
+        await anyio.lowlevel.checkpoint()
+
+
+class _Relay:
+    """The host side of a channel's relays: listeners by request id, connections by the
+    agent's id. Driven from the channel's reader thread (frames) and one thread pair per
+    connection (the host's socket); never from the event loop, so a slow service blocks
+    nothing else."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.lock = threading.Lock()
+        self.listeners: dict[int, RelayListener] = {}
+        self.connections: dict[int, _RelayedConnection] = {}
+        self.stopped: str | None = None
+
+    def add(self, listener: RelayListener) -> None:
+        with self.lock:
+            self.listeners[listener.rid] = listener
+
+    def remove(self, listener: RelayListener, reason: str) -> None:
+        with self.lock:
+            self.listeners.pop(listener.rid, None)
+            conns = list(listener.connections.values())
+            if listener.lost is None:
+                listener.lost = reason
+        for conn in conns:
+            conn.abort(tell_agent=True)
+
+    def shutdown(self, reason: str) -> None:
+        """The channel ended: every listener is lost, every connection closed."""
+        with self.lock:
+            if self.stopped is not None:
+                return
+            self.stopped = reason
+            listeners = list(self.listeners.values())
+            conns = list(self.connections.values())
+            self.listeners.clear()
+        for listener in listeners:
+            if listener.lost is None:
+                listener.lost = reason
+        for conn in conns:
+            conn.abort(tell_agent=False)
+
+    def take(
+        self, frames: list[tuple[int, int, bytes]]
+    ) -> tuple[list[tuple[int, int, bytes]], str | None]:
+        """Handle the relay's frames (on the reader thread); return the others, and why the
+        stream is tampered with if a relay frame broke the protocol."""
+        if not self.listeners and not self.connections:
+            return frames, None
+        rest = []
+        for kind, rid, payload in frames:
+            if not rid & agent.RELAY_BIT:
+                rest.append((kind, rid, payload))
+                continue
+            self.channel._release(len(payload))
+            problem = self.on_frame(kind, rid, payload)
+            if problem is not None:
+                return rest, problem
+        return rest, None
+
+    def on_frame(self, kind: int, cid: int, payload: bytes) -> str | None:
+        if kind in (agent.OPENED, agent.R_ACK) and len(payload) != U32.size:
+            # unpacking it would end the reader with an exception: a restartable break,
+            # where a protocol violation must distrust the channel
+            return f"the agent sent a malformed relay frame (type {kind}, {len(payload)} bytes)"
+        if kind == agent.OPENED:
+            return self.opened(cid, U32.unpack(payload)[0])
+        with self.lock:
+            conn = self.connections.get(cid)
+        if conn is None:
+            return None  # closed meanwhile: late frames are dropped
+        return conn.on_frame(kind, payload)
+
+    def opened(self, cid: int, listener_id: int) -> str | None:
+        with self.lock:
+            listener = self.listeners.get(listener_id)
+            if cid in self.connections:
+                return f"the agent opened relayed connection {cid:#x} twice"
+            if listener is None or len(listener.connections) >= listener.max_connections:
+                listener = None
+            else:
+                conn = _RelayedConnection(self, listener, cid)
+                self.connections[cid] = conn
+                listener.connections[cid] = conn
+                listener.accepted += 1
+        if listener is None:
+            self.channel._relay_send(agent.R_CLOSE, cid)
+            return None
+        conn.start()
+        return None
+
+    def forget(self, conn: _RelayedConnection) -> None:
+        with self.lock:
+            self.connections.pop(conn.cid, None)
+            conn.listener.connections.pop(conn.cid, None)
+
+
+class _RelayedConnection:
+    """One relayed connection on the host: the agent's bytes written to a socket connected
+    to the listener's target (at most :data:`RELAY_WINDOW` of them held: the real agent never
+    sends more unacknowledged), the target's bytes sent back while the agent's window
+    allows."""
+
+    def __init__(self, relay: _Relay, listener: RelayListener, cid: int) -> None:
+        self.relay = relay
+        self.listener = listener
+        self.cid = cid
+        self.incoming: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.held = 0
+        self.credit = RELAY_WINDOW
+        self.cond = threading.Condition()
+        self.sock: socket.socket | None = None
+        self.closed = False
+        self.halves = 0
+
+    def is_closed(self) -> bool:
+        return self.closed
+
+    def start(self) -> None:
+        threading.Thread(target=self._connect, name="vf-relay-in", daemon=True).start()
+
+    def on_frame(self, kind: int, payload: bytes) -> str | None:
+        if kind == agent.R_DATA:
+            with self.cond:
+                self.held += len(payload)
+                over = self.held > RELAY_WINDOW
+            if over:
+                return "the agent sent more relayed bytes than the window allows"
+            self.incoming.put(payload)
+        elif kind == agent.R_EOF:
+            self.incoming.put(None)
+        elif kind == agent.R_ACK:
+            with self.cond:
+                self.credit += U32.unpack(payload)[0]
+                over = self.credit > RELAY_WINDOW
+                self.cond.notify()
+            if over:
+                return "the agent acknowledged relayed bytes the host never sent"
+        elif kind == agent.R_CLOSE:
+            self.abort(tell_agent=False)
+        else:
+            return f"unexpected frame type {kind} on a relayed connection"
+        return None
+
+    def _connect(self) -> None:
+        try:
+            sock = socket.create_connection(self.listener.target, timeout=RELAY_CONNECT_TIMEOUT)
+        except OSError as exc:
+            log.warning(
+                "%s: relay to %s failed: %s", self.relay.channel.label, self.listener.target, exc
+            )
+            self.abort(tell_agent=True)
+            return
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self.cond:
+            if self.closed:
+                sock.close()
+                return
+            self.sock = sock
+        threading.Thread(target=self._pump_out, name="vf-relay-out", daemon=True).start()
+        self._pump_in(sock)
+
+    def _pump_in(self, sock: socket.socket) -> None:
+        """The agent's bytes to the service, acknowledged once written."""
+        send = self.relay.channel._relay_send
+        while True:
+            data = self.incoming.get()
+            if self.closed:
+                return
+            try:
+                if data is None:
+                    sock.shutdown(socket.SHUT_WR)
+                else:
+                    sock.sendall(data)
+            except OSError:
+                self.abort(tell_agent=True)
+                return
+            if data is None:
+                self._half_closed()
+                return
+            with self.cond:
+                self.held -= len(data)
+            send(agent.R_ACK, self.cid, U32.pack(len(data)))
+
+    def _pump_out(self) -> None:
+        """The service's bytes to the agent, never more than the window unacknowledged."""
+        sock = self.sock
+        assert sock is not None
+        send = self.relay.channel._relay_send
+        while True:
+            with self.cond:
+                while self.credit <= 0 and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                size = min(self.credit, agent.RELAY_CHUNK)
+            try:
+                data = sock.recv(size)
+            except OSError:
+                self.abort(tell_agent=True)
+                return
+            if self.is_closed():
+                return
+            if not data:
+                send(agent.R_EOF, self.cid)
+                self._half_closed()
+                return
+            with self.cond:
+                self.credit -= len(data)
+            send(agent.R_DATA, self.cid, data)
+
+    def _half_closed(self) -> None:
+        with self.cond:
+            self.halves += 1
+            done = self.halves == 2 and not self.closed
+            if done:
+                self.closed = True
+            sock = self.sock
+        if done:
+            if sock is not None:
+                sock.close()
+            self.relay.forget(self)
+
+    def abort(self, *, tell_agent: bool) -> None:
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            self.cond.notify_all()
+            sock = self.sock
+        self.incoming.put(b"")  # wakes _pump_in
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes _pump_out
+            sock.close()
+        self.relay.forget(self)
+        if tell_agent:
+            self.relay.channel._relay_send(agent.R_CLOSE, self.cid)
 
 
 def _exec_header(
@@ -1346,6 +1683,41 @@ class ChannelSupervisor:
 
     def _gone(self, what: str) -> SandboxUnavailableError:
         return SandboxUnavailableError(f"{self._label()} stopped answering during {what}")
+
+    # ------------------------------------------------------------------ relay
+
+    @property
+    def can_relay(self) -> bool:
+        """Whether a relay may be asked for: the channel is enabled, the sandbox can run
+        the agent, and the channel is neither distrusted nor closed (a channel that is down
+        is restarted by :meth:`listen`)."""
+        return self.enabled and not self._unsupported and not self._closed and not self._distrusted
+
+    async def listen(self, target: tuple[str, int]) -> RelayListener:
+        """A listener on the sandbox's loopback relayed to ``target`` on the host.
+
+        Raises:
+            HostRouteError: the channel cannot serve (disabled, no python3, distrusted,
+                down) or the agent could not listen.
+            SandboxUnavailableError: the sandbox stopped answering.
+        """
+        chan = await self._current()
+        if chan is None:
+            state = self.info
+            raise HostRouteError(
+                f"{self._label()}: no channel to relay through (state {state.state!r}"
+                + (f": {state.reason}" if state.reason else "")
+                + ")",
+                via="channel",
+            )
+        try:
+            return await chan.listen(target)
+        except ChannelLost as lost:
+            await self._retire(chan)
+            raise HostRouteError(f"{self._label()}: {lost}", via="channel") from None
+        except SandboxGone:
+            await self._retire(chan)
+            raise self._gone("starting a relay") from None
 
     # ------------------------------------------------------------------ routed calls
 

@@ -61,6 +61,7 @@ from .channel import (
 )
 from .config import RuntimeConfig, absolute_workdir
 from .errors import (
+    HostRouteError,
     OutputLimitExceededError,
     ProvisioningError,
     SandboxError,
@@ -76,6 +77,7 @@ from .errors import (
 from .limits import creation_rate, live_cap
 from .models import ExecRequest, MiB, OutputSink, SandboxInfo, Stream
 from .policy import DEFAULT_POLICY_USER, validate_policy_user
+from .routes import HostRoute, RouteKind, channel_route
 
 if TYPE_CHECKING:
     import docker
@@ -1230,6 +1232,55 @@ class DockerRuntime(Runtime):
             self._release_slot()
             self._state = "closed"
 
+    def _host_routes(self) -> tuple[RouteKind, ...]:
+        channel: tuple[RouteKind, ...] = ("channel",) if self._channels.can_relay else ()
+        if self.config.network == "host":
+            return ("loopback", *channel)  # the host's loopback as it is: no relay hop
+        return channel + (() if self.config.network == "none" else ("gateway",))
+
+    def _route_hint(self) -> str:
+        if self.config.network == "none":
+            return (
+                "network='none' has only the channel route (python3 in the image, "
+                "channel=True); the gateway route needs network='bridge' or a named network"
+            )
+        return "the channel route needs python3 in the image and channel=True"
+
+    async def _host_bind_address(self, via: RouteKind) -> str:
+        if via != "gateway":
+            return "127.0.0.1"
+        return await self._host_gateway()
+
+    async def _host_gateway(self) -> str:
+        """The container's IPv4 default gateway (``/proc/net/route``), if it is an address
+        of this host (so a service can listen on it).
+
+        Raises:
+            HostRouteError: no default route, or the gateway is not this host's (a remote
+                engine).
+        """
+        table = await self.exec(["cat", "/proc/net/route"], timeout=30)
+        gateway = gateway_from_route_table(table.stdout) if table.exit_code == 0 else None
+        if gateway is None:
+            raise HostRouteError(
+                f"{self.describe()} has no default gateway: no gateway route to the host",
+                via="gateway",
+            )
+        if not _is_local_address(gateway):
+            raise HostRouteError(
+                f"{self.describe()} routes through {gateway}, which is not an address of this "
+                "host (a remote engine?): use the channel route",
+                via="gateway",
+            )
+        return gateway
+
+    async def _expose_host(self, port: int, via: RouteKind) -> HostRoute:
+        if via == "channel":
+            return await channel_route(self._channels, port)
+        if via == "loopback":
+            return HostRoute("loopback", "127.0.0.1", port)
+        return HostRoute("gateway", await self._host_gateway(), port)
+
     async def _alive(self) -> bool:
         import docker.errors
 
@@ -1975,3 +2026,23 @@ async def _close_channel(channel: _Channel, hijacked: _Hijacked) -> None:
 
 
 __all__ = ["DEFAULT_IMAGE", "DockerConfig", "DockerRuntime"]
+
+
+def gateway_from_route_table(text: str) -> str | None:
+    """The IPv4 default gateway in the text of a Linux ``/proc/net/route``, or ``None``."""
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 3 and fields[1] == "00000000" and fields[2] != "00000000":
+            raw = bytes.fromhex(fields[2])
+            return ".".join(str(b) for b in reversed(raw))
+    return None
+
+
+def _is_local_address(address: str) -> bool:
+    """Whether ``address`` belongs to an interface of this host (it can be bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True

@@ -20,6 +20,7 @@ from typing import ClassVar
 __all__ = [
     "ChannelTamperedError",
     "ExecTimeoutError",
+    "HostRouteError",
     "OutputLimitExceededError",
     "ProvisioningError",
     "SandboxError",
@@ -203,6 +204,16 @@ class ChannelTamperedError(SandboxTransportError):
     the sandbox's life and later calls take the backend's plain path
     (``runtime.channel_info.state == "distrusted"``, ``reason`` says why).
     """
+
+
+class HostRouteError(SandboxError):
+    """A port on the host cannot be made reachable from inside the sandbox by the route
+    asked for (or by any route): the message says which routes this sandbox has and what to
+    configure. Also raised by a route's ``check()`` once a channel relay died under it."""
+
+    def __init__(self, message: str, *, via: str | None = None):
+        super().__init__(message)
+        self.via = via
 
 
 class ProvisioningError(SandboxError):

@@ -89,6 +89,7 @@ from .errors import (
 )
 from .models import ExecRequest, MiB, OutputSink, SandboxInfo, Stream
 from .policy import DEFAULT_POLICY_USER, validate_policy_user
+from .routes import HostRoute, RouteKind, channel_route
 
 log = logging.getLogger("runtimes.modal")
 
@@ -726,6 +727,18 @@ class ModalRuntime(Runtime):
         if worker.is_alive() or failures:
             reason = repr(failures[0]) if failures else f"no answer in {KILL_TIMEOUT:g}s"
             raise SandboxError(f"{self.describe()}: terminate at exit failed: {reason}")
+
+    def _host_routes(self) -> tuple[RouteKind, ...]:
+        return ("channel",) if self._channels.can_relay else ()
+
+    def _route_hint(self) -> str:
+        return (
+            "A Modal sandbox reaches the host only through the channel (python3 in the image, "
+            "channel=True); otherwise expose the service yourself (a tunnel) and pass its URL"
+        )
+
+    async def _expose_host(self, port: int, via: RouteKind) -> HostRoute:
+        return await channel_route(self._channels, port)
 
     async def _alive(self) -> bool:
         sandbox = self._sandbox

@@ -77,6 +77,7 @@ from .errors import (
 )
 from .models import ExecRequest, MiB, OutputSink, SandboxInfo, Stream
 from .policy import validate_policy_user
+from .routes import HostRoute, RouteKind, channel_route
 
 if TYPE_CHECKING:
     import paramiko
@@ -1319,6 +1320,21 @@ class SSHRuntime(Runtime):
             self._state = "closed"
             with _UNCLOSED_LOCK:
                 _UNCLOSED.discard(self)
+
+    def _host_routes(self) -> tuple[RouteKind, ...]:
+        channel: tuple[RouteKind, ...] = ("channel",) if self._channels.can_relay else ()
+        return (*channel, "forward")
+
+    async def _expose_host(self, port: int, via: RouteKind) -> HostRoute:
+        if via == "channel":
+            return await channel_route(self._channels, port)
+        remote = await self.forward_remote(port)
+
+        async def cancel() -> None:
+            if not self.closed:
+                await self.cancel_forward_remote(remote)
+
+        return HostRoute("forward", "127.0.0.1", remote, _close=cancel)
 
     async def _alive(self) -> bool:
         assert self._dir is not None

@@ -52,6 +52,7 @@ from .errors import (
     error_for_errno,
 )
 from .models import ExecRequest, OutputSink, SandboxInfo, Stream
+from .routes import HostRoute, RouteKind
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,12 @@ class SubprocessRuntime(Runtime):
             self._sessions.clear()
         if self._dir is not None:
             _remove_sandbox_dir(self._dir, self._identity)
+
+    def _host_routes(self) -> tuple[RouteKind, ...]:
+        return ("loopback",)  # the host's own network namespace
+
+    async def _expose_host(self, port: int, via: RouteKind) -> HostRoute:
+        return HostRoute("loopback", "127.0.0.1", port)
 
     async def _alive(self) -> bool:
         return self._workdir is not None and await anyio.Path(self._workdir).is_dir()

@@ -1,29 +1,41 @@
 """mini-swe-agent end to end: installed into a Docker sandbox from a host-built wheelhouse,
-driven against the scripted endpoint through the proxy over the bridge gateway.
+driven against the scripted endpoint through the proxy, in a container with no network at
+all (``network="none"``): its model calls reach the proxy through the channel relay. The
+same run, once per backend, inside the SSH test host with reverse forwarding refused, and
+inside the Modal fake (network blocked): the channel relay is the route there too.
 
 The host wheelhouse is downloaded from the package index once and cached
-(``~/.cache/vf-sandbox/wheelhouses``); the container itself has no route but the
-bridge to the host, so the install is offline (``pip install --no-index``).
+(``~/.cache/vf-sandbox/wheelhouses``); the install is offline (``pip install --no-index``).
 """
 
 from __future__ import annotations
 
+import io
+import tarfile
 import time
-from collections.abc import AsyncIterator
+import types
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
 
 import anyio
+import docker
 import pytest
 
+import harnesses.installed
 from harnesses.base import Budget
 from harnesses.mini_swe_agent import MiniSweAgentConfig, MiniSweAgentHarness
+from harnesses.proxy import ProxyRoute
 from harnesses.scripted import bash_call, http_error
-from runtimes import Runtime, open_runtime
+from runtimes import Runtime, SandboxError, open_runtime
+from tests.modal.support import fake_config, fake_modal, fake_service  # noqa: F401 - fixtures
+from tests.ssh.sshd import SSHServer, image_present
 
 from .conftest import ScriptedFactory
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-SANDBOX = {"type": "docker", "image": "vf-sandbox/python:latest", "network": "bridge"}
+SANDBOX = {"type": "docker", "image": "vf-sandbox/python:latest", "network": "none"}
 DONE = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && echo the file is written"
 
 
@@ -107,3 +119,117 @@ async def test_upstream_error_is_passed_to_mini_and_typed(
     assert trace.error is not None
     assert trace.error.kind == "model_error" and trace.error.status_code == 500
     assert "provider exploded" in (trace.turns[0].error or "")
+
+
+# ---------------------------------------------------------------------- other backends
+
+VENV_PARTS = ("/usr/lib/python3.11/ensurepip", "/usr/share/python-wheels")
+"""What ``python3 -m venv`` needs and the SSH test image lacks (Debian's ``python3-venv``,
+``python3-pip-whl``): copied out of ``vf-sandbox/python`` (same base, same interpreter) and
+mounted read-only into the SSH test host, so the harness can make its venv there offline."""
+
+
+@pytest.fixture
+def routes_taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The route of every run to the model proxy (``harnesses.installed`` asks for it)."""
+    taken: list[str] = []
+    original = harnesses.installed.route_to_host
+
+    async def recording(*args: Any, **kwargs: Any) -> ProxyRoute:
+        route = await original(*args, **kwargs)
+        taken.append(route.via)
+        return route
+
+    monkeypatch.setattr(harnesses.installed, "route_to_host", recording)
+    return taken
+
+
+@pytest.fixture
+def venv_parts(tmp_path: Path) -> Iterator[list[tuple[str, str, str]]]:
+    """Volume mappings giving the SSH test host ``ensurepip`` and pip's wheel."""
+    client = docker.from_env()
+    container = client.containers.create("vf-sandbox/python:latest", ["true"])
+    mounts = []
+    try:
+        for part in VENV_PARTS:
+            stream, _ = container.get_archive(part)
+            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+                tar.extractall(tmp_path, filter="data")
+            mounts.append((str(tmp_path / Path(part).name), part, "ro"))
+    finally:
+        container.remove(force=True)
+        client.close()
+    yield mounts
+
+
+async def completes_and_keeps_to_its_budget(
+    runtime: Runtime, scripted: ScriptedFactory, routes_taken: list[str]
+) -> MiniSweAgentHarness:
+    """One mini session that completes (every turn on the trace, its command run in the
+    sandbox), then one stopped by its turn budget; both over the channel relay."""
+    server = scripted(
+        [bash_call("echo hello from mini > hello.txt && cat hello.txt"), bash_call(DONE)]
+    )
+    harness = MiniSweAgentHarness(MiniSweAgentConfig(model_retries=10))
+    trace = await harness.run("Write hello.txt.", runtime=runtime, model=server.endpoint())
+    assert trace.ok, (trace.error, trace.metadata.get("agent_log_tail"))
+    assert server.failures == []
+    assert trace.output == "the file is written\n"
+    assert trace.metadata["exit_status"] == "Submitted"
+    assert [t.status_code for t in trace.turns] == [200, 200]
+    assert "Write hello.txt." in trace.turns[0].request_messages[1]["content"]
+    tool_message = trace.turns[1].request_messages[-1]
+    assert tool_message["role"] == "tool" and "hello from mini" in tool_message["content"]
+    assert await runtime.read("hello.txt") == b"hello from mini\n"
+
+    budgeted = scripted([bash_call(f"echo {i} >> budget.txt") for i in range(4)])
+    trace = await harness.run(
+        "Loop.", runtime=runtime, model=budgeted.endpoint(), budget=Budget(max_turns=1)
+    )
+    assert trace.error is not None and trace.error.kind == "budget_turns", trace.error
+    assert len(budgeted.requests) == 1 and len(trace.turns) == 1
+    assert await runtime.read("budget.txt") == b"0\n"
+    assert routes_taken == ["channel", "channel"]
+    return harness
+
+
+@pytest.mark.ssh
+@pytest.mark.anyio
+async def test_mini_runs_in_the_ssh_host_without_a_reverse_forward(
+    scripted: ScriptedFactory,
+    routes_taken: list[str],
+    venv_parts: list[tuple[str, str, str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from runtimes.ssh import SSHRuntime
+
+    assert image_present(), "vf-sandbox/sshd is missing: build it with `make images`"
+    forwards: list[int] = []
+
+    async def no_forwarding(self: Any, port: int, *args: Any, **kwargs: Any) -> int:
+        forwards.append(port)
+        raise SandboxError("this test host allows no TCP forwarding")
+
+    monkeypatch.setattr(SSHRuntime, "forward_remote", no_forwarding)
+    with SSHServer(tmp_path / "sshd", volumes=venv_parts) as sshd:
+        async with open_runtime(sshd.config()) as runtime:
+            await completes_and_keeps_to_its_budget(runtime, scripted, routes_taken)
+    assert forwards == []
+
+
+@pytest.mark.anyio
+async def test_mini_runs_in_the_modal_fake(
+    scripted: ScriptedFactory,
+    routes_taken: list[str],
+    fake_modal: types.ModuleType,  # noqa: F811 - the fixture
+) -> None:
+    config = fake_config(image="vf-sandbox/python:latest")  # the network blocked: the default
+    async with open_runtime(config) as runtime:
+        assert runtime.host_routes() == ("channel",)
+        harness = await completes_and_keeps_to_its_budget(runtime, scripted, routes_taken)
+        # The fake terminates a sandbox by removing its container, synchronously: with the
+        # installed venv in it that outlasts the runtime's terminate deadline on a busy
+        # machine (real Modal answers at once). Remove the venv first, within this test.
+        removed = await runtime.exec(["rm", "-rf", harness.config.install_root], timeout=600)
+        assert removed.exit_code == 0, removed.stderr

@@ -13,9 +13,10 @@ import pytest
 from harnesses.base import Budget, Trace
 from harnesses.errors import ModelHTTPError, ProxyRouteError
 from harnesses.models import ChatClient, ModelEndpoint
-from harnesses.proxy import ModelProxy, _gateway_from_route_table, route_to_host
+from harnesses.proxy import ModelProxy, route_to_host
 from harnesses.scripted import bash_call, http_error, reply
 from runtimes import open_runtime
+from runtimes.docker import gateway_from_route_table
 
 from .conftest import ScriptedFactory
 
@@ -166,15 +167,19 @@ def test_unreachable_upstream_is_502(proxy: ModelProxy) -> None:
     assert trace.turns[0].status_code == 502
 
 
-def test_streaming_and_malformed_requests_are_refused(
+def test_malformed_requests_are_refused_and_streaming_is_answered(
     scripted: ScriptedFactory, proxy: ModelProxy
 ) -> None:
-    server = scripted([], api_key=UPSTREAM_KEY)
+    server = scripted([reply("streamed")], api_key=UPSTREAM_KEY)
     run = proxy.open_run(upstream_endpoint(server), Trace(harness="test"))
-    streaming = agent_post(proxy, {"model": "m", "messages": USER, "stream": True}, run.secret)
-    assert streaming.status_code == 400 and "stream" in streaming.json()["error"]["message"]
     assert agent_post(proxy, {"model": "m"}, run.secret).status_code == 400
     assert server.requests == [] and run.trace.turns == []
+    streaming = agent_post(proxy, {"model": "m", "messages": USER, "stream": True}, run.secret)
+    assert streaming.status_code == 200
+    assert streaming.headers["content-type"] == "text/event-stream"
+    assert streaming.text.endswith("data: [DONE]\n\n")
+    assert run.trace.turns[0].reply is not None
+    assert run.trace.turns[0].reply.content == "streamed"
 
 
 def test_runs_are_kept_apart(scripted: ScriptedFactory, proxy: ModelProxy) -> None:
@@ -205,8 +210,8 @@ def test_gateway_is_read_from_the_route_table() -> None:
         "eth0\t000011AC\t00000000\t0001\t0\t0\t0\t0000FFFF\n"
         "eth0\t00000000\t010011AC\t0003\t0\t0\t0\t00000000\n"
     )
-    assert _gateway_from_route_table(table) == "172.17.0.1"
-    assert _gateway_from_route_table(table.splitlines()[0]) is None
+    assert gateway_from_route_table(table) == "172.17.0.1"
+    assert gateway_from_route_table(table.splitlines()[0]) is None
 
 
 @pytest.mark.anyio
@@ -241,10 +246,10 @@ print(json.load(urllib.request.urlopen(req, timeout=20))["choices"][0]["message"
 
 @pytest.mark.docker
 @pytest.mark.anyio
-async def test_network_less_container_has_no_route() -> None:
+async def test_network_less_container_has_no_gateway_route() -> None:
     async with open_runtime({"type": "docker", "image": "vf-sandbox/python:latest"}) as runtime:
         with pytest.raises(ProxyRouteError, match="network='bridge'"):
-            await route_to_host(runtime)
+            await route_to_host(runtime, via="gateway")
 
 
 @pytest.mark.docker
@@ -255,12 +260,13 @@ async def test_bridge_container_reaches_the_proxy_via_its_gateway(
     server = scripted([reply("hello container")], api_key=UPSTREAM_KEY)
     config = {"type": "docker", "image": "vf-sandbox/python:latest", "network": "bridge"}
     async with open_runtime(config) as runtime:
-        route = await route_to_host(runtime)
-        assert route.via == "gateway" and route.bind_host == route.sandbox_host
+        route = await route_to_host(runtime, via="gateway")
+        assert route.via == "gateway" and route.bind_host != "127.0.0.1"
         with ModelProxy(host=route.bind_host) as proxy:
             trace = Trace(harness="test")
             run = proxy.open_run(upstream_endpoint(server), trace)
             url = await route.sandbox_base_url(runtime, proxy)
+            assert url == f"http://{route.bind_host}:{proxy.port}/v1"
             answer = await runtime.exec(
                 ["python3", "-c", AGENT_SNIPPET, url, run.secret], timeout=60
             )
@@ -280,18 +286,18 @@ async def test_ssh_sandbox_reaches_the_proxy_through_a_reverse_forward(
     server = scripted([reply("hello over ssh")], api_key=UPSTREAM_KEY)
     with SSHServer(tmp_path / "sshd") as sshd:
         async with open_runtime(sshd.config()) as runtime:
-            route = await route_to_host(runtime)
+            route = await route_to_host(runtime, via="forward")
             assert (route.via, route.bind_host) == ("forward", "127.0.0.1")
             with ModelProxy(host=route.bind_host) as proxy:
                 trace = Trace(harness="test")
                 run = proxy.open_run(upstream_endpoint(server), trace)
                 url = await route.sandbox_base_url(runtime, proxy)
-                assert route.forwarded_port is not None
+                assert route.exposed is not None and route.exposed.via == "forward"
                 answer = await runtime.exec(
                     ["python3", "-c", AGENT_SNIPPET, url, run.secret], timeout=60
                 )
                 await route.release(runtime)
-                assert route.forwarded_port is None
+                assert route.exposed is None
     assert answer.exit_code == 0, answer.stderr
     assert answer.stdout.strip() == "hello over ssh"
     assert trace.turns[0].status_code == 200

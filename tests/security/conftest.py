@@ -37,6 +37,7 @@ ATTACKS = {
     7: "host memory through the channel",
     8: "subprocess close/cleanup follows symlinks",
     9: "subprocess close leaves setsid'd processes",
+    10: "model relay abused by sandbox code",
 }
 
 

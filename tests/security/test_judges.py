@@ -284,11 +284,12 @@ def tiny_registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def installed_target(hostile: Hostile, tmp_path: Path) -> tuple[dict[str, Any], str]:
-    """A sandbox config with python3-venv and a route to the host, and the install root
-    the policy can write to (root: the default /opt/vf-harness)."""
+    """A sandbox config with python3-venv (and no network: the judge's model calls take the
+    channel relay), and the install root the policy can write to (root: the default
+    /opt/vf-harness)."""
     if hostile.id == "subprocess":
         return dict(hostile.config), str(tmp_path / "agents")
-    config = {**hostile.config, "image": "vf-sandbox/python:latest", "network": "bridge"}
+    config = {**hostile.config, "image": "vf-sandbox/python:latest", "network": "none"}
     return config, "/opt/vf-harness" if hostile.privilege == "root" else "/tmp/vf-harness"
 
 

@@ -23,7 +23,7 @@ from runtimes import live_runtimes
 
 PYTHON_IMAGE = "vf-sandbox/python:latest"
 SUBPROCESS = {"type": "subprocess"}
-DOCKER = {"type": "docker", "image": PYTHON_IMAGE, "network": "bridge"}
+DOCKER = {"type": "docker", "image": PYTHON_IMAGE}  # network="none": the channel relay
 
 BACKENDS = [
     pytest.param(SUBPROCESS, id="subprocess"),
