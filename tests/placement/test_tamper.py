@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+import anyio
 import pytest
 
 from harnesses.base import Trace
@@ -70,8 +71,15 @@ async def test_a_verdict_without_the_spy_would_have_been_planted(
         await rt.exec(["sh", "-c", SPY])
         directory = f"{INPUTS_ROOT}/ctrl-{secrets.token_hex(8)}"
         await rt.write(f"{directory}/task.json", Snapshot.take(TASK, trace).task_json)
-        await rt.exec(["sleep", "0.5"])
-        assert await rt.read(f"{directory}/verdict.json") == b'{"passed": true}'
+        # the spy rewrites the file every 20 ms (truncate, then write): a read can land
+        # between the two, so look a few times
+        planted = b""
+        with anyio.move_on_after(10):
+            while planted != b'{"passed": true}':
+                await anyio.sleep(0.1)
+                if await rt.exists(f"{directory}/verdict.json"):
+                    planted = await rt.read(f"{directory}/verdict.json")
+        assert planted == b'{"passed": true}'
         assert TASK["id"].encode() in await rt.read("stolen.txt")
         await rt.stop_processes()
         await rt.remove(directory)
