@@ -4,8 +4,8 @@ gets a correct stream of text and of tool calls, in pass-through mode and in a g
 the trace records the whole reply.
 
 The images carry no ``openai``: the test unpacks the ``openai`` wheel and its dependencies
-from the mini-swe-agent wheelhouse (the host's cache, offline) into a directory it uploads
-into the sandbox and puts on ``PYTHONPATH``.
+from the mini-swe-agent wheelhouse (the host cache; downloaded by whichever test needs it
+first) into a directory it uploads into the sandbox and puts on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ import pytest
 
 from harnesses.base import Trace
 from harnesses.gate import Completion, InterceptedRequest, RequestGate, call
+from harnesses.installed import prepare_wheelhouse
+from harnesses.mini_swe_agent import MiniSweAgentHarness
 from harnesses.proxy import SSE_PIECE, ModelProxy, route_to_host, sse_body
 from harnesses.scripted import ScriptedEndpoint, reply, tool_calls
-from runtimes import open_runtime
+from runtimes import Runtime, open_runtime
 
 pytestmark = pytest.mark.anyio
 
-WHEELHOUSES = Path.home() / ".cache" / "vf-sandbox" / "wheelhouses"
 OPENAI_DEPS = (
     "openai",
     "httpx",
@@ -82,18 +83,18 @@ print(json.dumps(results))
 """
 
 
-@pytest.fixture(scope="module")
-def openai_libs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``openai`` and its dependencies, unpacked from the cached mini-swe-agent wheelhouse."""
-    houses = sorted(WHEELHOUSES.glob("mini-swe-agent_*"))
-    assert houses, f"no mini-swe-agent wheelhouse under {WHEELHOUSES}: run the mini tests once"
-    target = tmp_path_factory.mktemp("openai-libs")
+async def openai_libs(runtime: Runtime, into: Path) -> Path:
+    """``openai`` and its dependencies for ``runtime``'s interpreter, unpacked into ``into``
+    from mini-swe-agent's wheelhouse (the same host cache the mini tests fill: downloaded
+    once, offline after)."""
+    mini = MiniSweAgentHarness()
+    house = await prepare_wheelhouse(mini.requirements, await mini.sandbox_python(runtime))
     for name in OPENAI_DEPS:
-        wheels = sorted(houses[-1].glob(f"{name}-*.whl"))
-        assert wheels, f"{name} is not in {houses[-1]}"
+        wheels = sorted(house.glob(f"{name}-*.whl"))
+        assert wheels, f"{name} is not in {house}"
         with zipfile.ZipFile(wheels[-1]) as wheel:
-            wheel.extractall(target)
-    return target
+            wheel.extractall(into)
+    return into
 
 
 class Deliverer:
@@ -134,7 +135,9 @@ class Streamed:
     ],
     scope="module",
 )
-async def streamed(request: pytest.FixtureRequest, openai_libs: Path) -> AsyncIterator[Streamed]:
+async def streamed(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Streamed]:
     """One sandbox per backend, one upload of the ``openai`` package, and one client process
     (one ``openai`` import) that streams through a pass-through run and then a gated run of
     the same proxy: the tests below only read what it got."""
@@ -152,7 +155,8 @@ async def streamed(request: pytest.FixtureRequest, openai_libs: Path) -> AsyncIt
     deliverer.gate = gate
     try:
         async with open_runtime(request.param) as runtime:
-            await runtime.upload(openai_libs, "pylibs")
+            libs = await openai_libs(runtime, tmp_path_factory.mktemp("openai-libs"))
+            await runtime.upload(libs, "pylibs")
             route = await route_to_host(runtime)
             with ModelProxy(host=route.bind_host) as proxy:
                 passed_trace, gated_trace = Trace(harness="test"), Trace(harness="gated")
