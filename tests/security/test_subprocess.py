@@ -65,6 +65,23 @@ class Reaper:
     def pids(self, token: str) -> list[int]:
         return [pid for pid, cmd in _cmdlines() if token.encode() in cmd]
 
+    async def started(self, token: str) -> int:
+        """The pid of the one process carrying ``token`` once it runs its final program: a
+        shell that backgrounds a command returns before that command has exec'd, and the
+        ``sh``/``env``/``setsid`` on the way carry the token in their argv too."""
+        for _ in range(200):
+            found = [
+                pid
+                for pid, cmd in _cmdlines()
+                if token.encode() in cmd
+                and os.path.basename(cmd.split(b"\0", 1)[0]) not in (b"sh", b"env", b"setsid")
+            ]
+            if found:
+                [pid] = found
+                return pid
+            await anyio.sleep(0.025)
+        raise AssertionError(f"no process carrying {token} started")
+
     def reap(self) -> None:
         keep = _ancestors()
         stopped: set[int] = set()
@@ -323,11 +340,7 @@ async def test_close_kills_a_setsid_leftover(tmp_path: Path, reaper: Reaper) -> 
     token = reaper.token()
     async with open_runtime(SubprocessConfig(root=str(tmp_path))) as rt:
         await rt.exec(["sh", "-c", f"setsid sleep {token} >/dev/null 2>&1 </dev/null &"])
-        for _ in range(100):  # the shell returns before the backgrounded sleep has exec'd
-            if reaper.pids(token):
-                break
-            await anyio.sleep(0.05)
-        [pid] = reaper.pids(token)
+        pid = await reaper.started(token)
         assert isinstance(rt, SubprocessRuntime)
         assert _session(pid) not in rt._sessions  # control: it left every session we made
     assert _gone(reaper, token)
@@ -340,7 +353,7 @@ async def test_close_kills_a_scrubbed_setsid_leftover_in_the_workdir(
     token = reaper.token()
     async with open_runtime(SubprocessConfig(root=str(tmp_path))) as rt:
         await rt.exec(["sh", "-c", f"env -i setsid sleep {token} >/dev/null 2>&1 </dev/null &"])
-        [pid] = reaper.pids(token)
+        pid = await reaper.started(token)
         assert not any(v.startswith(MARK_VAR.encode()) for v in _environ(pid))  # control
     assert _gone(reaper, token)
 
@@ -364,11 +377,8 @@ async def test_close_kills_scrubbed_setsid_leftovers_that_left_the_workdir(
                 ">/dev/null 2>&1 </dev/null &",
             ]
         )
-        deadline = time.monotonic() + 5
-        while not (reaper.pids(by_fd) and reaper.pids(by_exe)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert os.readlink(f"/proc/{reaper.pids(by_fd)[0]}/cwd") == "/"  # control
-        assert os.readlink(f"/proc/{reaper.pids(by_exe)[0]}/cwd") == "/"
+        assert os.readlink(f"/proc/{await reaper.started(by_fd)}/cwd") == "/"  # control
+        assert os.readlink(f"/proc/{await reaper.started(by_exe)}/cwd") == "/"
     assert _gone(reaper, by_fd) and _gone(reaper, by_exe)
 
 
@@ -382,7 +392,7 @@ async def test_close_kills_a_leftover_that_left_no_trace_but_its_session(
         await rt.exec(
             ["sh", "-c", f"env -i sh -c 'cd /; exec sleep {token}' >/dev/null 2>&1 </dev/null &"]
         )
-        [pid] = reaper.pids(token)
+        pid = await reaper.started(token)
         assert os.readlink(f"/proc/{pid}/cwd") == "/"  # control
     assert _gone(reaper, token)
 
