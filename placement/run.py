@@ -27,12 +27,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 import anyio
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
-from harnesses.base import AgentRecord, Harness, HarnessConfig, Trace, for_policy
+from harnesses.base import AgentRecord, AgentRole, Harness, HarnessConfig, Trace, for_policy
 from harnesses.errors import (
     HarnessConfigError,
     HarnessError,
@@ -70,27 +70,14 @@ from .guard import VerdictGuard
 from .inputs import INPUTS_ROOT, VERDICT_FILE, Snapshot, materialise, new_agent_id
 from .specs import AgentSpec, FieldTableVerdict, JudgeSpec
 
-Role = Literal["policy", "judge", "agent"]
+Role = AgentRole
 
 
-class AgentRun(BaseModel):
-    """Provenance of one agent run: who, with which model, trainable or not, what it did."""
+class AgentRun(AgentRecord):
+    """Provenance of one agent run: who, with which model, trainable or not, what it did
+    (the fields of :class:`harnesses.base.AgentRecord`, the form kept on a trace)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    name: str
-    role: Role
-    model: str
-    trainable: bool
-    placement: str
-    agent_id: str
-    trace: Trace | None = None
-    verdict: dict[str, Any] | None = None
-    error: str | None = None
-    error_type: str | None = None
-    seconds: float = 0.0
-    started: float = 0.0
-    finished: float = 0.0
 
     _exception: JudgeError | None = PrivateAttr(default=None)
 
