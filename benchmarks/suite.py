@@ -36,7 +36,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from runtimes import session
+from runtimes import ownership
 from runtimes.base import Runtime
 from runtimes.docker import DockerConfig, DockerRuntime
 from runtimes.subprocess import SubprocessConfig
@@ -153,7 +153,7 @@ class Environment:
             detach=True,
             network_mode="none",
             init=True,
-            labels=session.session_labels("docker", {"vf-sandbox.role": "benchmark-baseline"}),
+            labels=ownership.session_labels("docker", {"vf-sandbox.role": "benchmark-baseline"}),
         )
 
     def paramiko_client(self) -> Any:

@@ -22,7 +22,7 @@ import anyio
 from pydantic import BaseModel, Field
 
 from harnesses.base import Budget
-from harnesses.models import ModelTable
+from harnesses.llm import ModelTable
 from harnesses.scripted import ScriptedEndpoint, bash_call, reply
 from harnesses.session import (
     AgentSessionFactory,
@@ -31,8 +31,8 @@ from harnesses.session import (
     RolloutRecord,
     call,
 )
-from placement.session import JudgeVerifier
 from placement.specs import JudgeSpec
+from placement.verifier import JudgeVerifier
 
 RUNTIMES: dict[str, dict[str, Any]] = {
     "docker": {"type": "docker", "image": "vf-sandbox/python:latest", "network": "bridge"},

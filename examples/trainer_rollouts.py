@@ -25,12 +25,12 @@ from typing import Any
 import anyio
 
 from harnesses.base import Budget
-from harnesses.models import ModelTable
+from harnesses.llm import ModelTable
 from harnesses.scripted import ScriptedEndpoint, ScriptItem, bash_call, reply
 from harnesses.session import AgentSessionFactory
 from harnesses.trainer import OpenAIGenerator, build_sample, run_rollouts
-from placement.session import JudgeVerifier
 from placement.specs import JudgeSpec
+from placement.verifier import JudgeVerifier
 
 RUNTIMES: dict[str, dict[str, Any]] = {
     "docker": {"type": "docker", "image": "vf-sandbox/python:latest", "network": "bridge"},

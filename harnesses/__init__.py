@@ -2,7 +2,7 @@
 
 The middle layer (it imports :mod:`runtimes`, never :mod:`placement`):
 
-* :mod:`harnesses.models` -- the model table and an async chat-completions client;
+* :mod:`harnesses.llm` -- the model table and an async chat-completions client;
 * :mod:`harnesses.base` -- the :class:`Harness` contract, :class:`Budget`, :class:`Trace`;
 * :mod:`harnesses.registry` -- harnesses as plugins (``vf_sandbox.harnesses``), by ``id``;
 * :mod:`harnesses.null`, :mod:`harnesses.bash` -- tool-less and bash-tool agents on the host;
@@ -32,7 +32,7 @@ from .errors import (
     UnknownHarnessError,
     UnknownModelError,
 )
-from .models import ChatClient, ChatReply, ModelEndpoint, ModelTable, ToolCall, Usage
+from .llm import ChatClient, ChatReply, ModelEndpoint, ModelTable, ToolCall, Usage
 from .registry import available_harnesses, load_harness_class, open_harness, resolve_harness_config
 
 __all__ = [

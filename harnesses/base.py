@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, computed_field
 from runtimes import Runtime
 
 from .errors import HarnessConfigError, HarnessError, ModelError, ModelHTTPError
-from .models import ChatClient, ChatReply, Message, ModelEndpoint, Usage
+from .llm import ChatClient, ChatReply, Message, ModelEndpoint, Usage
 
 __all__ = [
     "AgentRecord",

@@ -52,7 +52,7 @@ from .base import (
     call_model,
     task_messages,
 )
-from .models import ChatClient, Message, ModelEndpoint, ToolCall
+from .llm import ChatClient, Message, ModelEndpoint, ToolCall
 
 __all__ = ["BASH_TOOL", "DEFAULT_SYSTEM_PROMPT", "BashConfig", "BashHarness", "truncate_for_model"]
 

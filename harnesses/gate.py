@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ._http import HTTPResponse, error_response, json_response
 from .errors import SessionDeliveryTimeout, SessionProtocolError
-from .models import ChatReply, Message, ToolCall, Usage
+from .llm import ChatReply, Message, ToolCall, Usage
 
 __all__ = [
     "REQUEST_KEYS",
@@ -93,7 +93,7 @@ class InterceptedRequest(BaseModel, Mapping[str, Any]):
 class Completion(BaseModel):
     """What the caller answers a model call with: text and/or tool calls.
 
-    ``tool_calls`` items may be :class:`~harnesses.models.ToolCall`s, ``{"name",
+    ``tool_calls`` items may be :class:`~harnesses.llm.ToolCall`s, ``{"name",
     "arguments", "id"?}`` dicts or OpenAI's ``{"id", "type": "function", "function":
     {"name", "arguments"}}``; ``arguments`` may be a dict (serialised) or the raw text the
     model produced (passed through as is, even when it is not valid JSON: the harness
@@ -146,7 +146,7 @@ class Completion(BaseModel):
 
     def assistant_message(self) -> Message:
         """The assistant message the harness appends to its conversation for this
-        completion (the same shape as :meth:`~harnesses.models.ChatReply.assistant_message`)."""
+        completion (the same shape as :meth:`~harnesses.llm.ChatReply.assistant_message`)."""
         return ChatReply(content=self.content, tool_calls=self.tool_calls).assistant_message()
 
     def resolved_finish_reason(self) -> str:

@@ -68,7 +68,7 @@ from runtimes import (
 
 from .base import Budget, BudgetClock, Harness, HarnessConfig, Trace
 from .errors import HarnessConfigError, HarnessInstallError, ProxyRouteError
-from .models import Message, ModelEndpoint
+from .llm import Message, ModelEndpoint
 from .proxy import ModelProxy, ProxyRoute, ProxyRun, route_to_host
 
 __all__ = [

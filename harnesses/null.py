@@ -18,7 +18,7 @@ from runtimes import Runtime
 
 from .base import Budget, BudgetClock, Harness, HarnessConfig, Trace, call_model, task_messages
 from .errors import ReplyParseError
-from .models import ChatClient, Message, ModelEndpoint
+from .llm import ChatClient, Message, ModelEndpoint
 
 __all__ = ["NullConfig", "NullHarness", "parse_reply_json"]
 

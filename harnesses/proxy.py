@@ -62,7 +62,7 @@ from ._http import HTTPRequest, HTTPResponse, LocalHTTPServer, error_response, j
 from .base import Budget, BudgetClock, Trace, Turn, utc_now
 from .errors import ModelResponseError, ProxyRouteError
 from .gate import RequestGate
-from .models import ModelEndpoint, parse_chat_completion, redact
+from .llm import ModelEndpoint, parse_chat_completion, redact
 
 __all__ = [
     "BUDGET_EXCEEDED_STATUS",

@@ -40,7 +40,7 @@ from typing import Any, Self
 from pydantic import BaseModel, Field
 
 from ._http import HTTPRequest, HTTPResponse, LocalHTTPServer, error_response, json_response
-from .models import ModelEndpoint, Usage
+from .llm import ModelEndpoint, Usage
 
 __all__ = [
     "RecordedRequest",

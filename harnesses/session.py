@@ -18,7 +18,7 @@ loop in its own sandbox; its model calls go to the interception proxy in gated m
             await session.close()
 
 Which harnesses can be gated: every harness whose model calls go through a
-:class:`~harnesses.models.ModelEndpoint` it is given. Host-side harnesses (``bash``,
+:class:`~harnesses.llm.ModelEndpoint` it is given. Host-side harnesses (``bash``,
 ``null``) call the endpoint the session hands them, which points at the gated proxy on
 127.0.0.1 with the session's secret; installed harnesses route their agent's calls
 through their own proxy, which forwards to that same endpoint. Either way every call of
@@ -85,7 +85,7 @@ from .errors import (
     SessionVerifyError,
 )
 from .gate import Completion, InterceptedRequest, RequestGate, call, resolved_usage
-from .models import Message, ModelEndpoint, Usage
+from .llm import Message, ModelEndpoint, Usage
 from .proxy import ModelProxy, ProxyRun
 from .registry import open_harness
 
@@ -758,7 +758,7 @@ class AgentSessionFactory:
             fresh sandbox from it, labelled ``vf-sandbox.rollout=<rollout id>``.
         harness: a harness, its config, or ``{"id": ..., ...}``.
         verify: ``async (VerifyContext) -> float | Verification`` (see
-            :mod:`placement.session` for judges).
+            :mod:`placement.verifier` for judges).
         prepare: ``async (runtime, task)``, run before the harness is set up.
         budget: the agent's budget (turns, tokens, wall time), enforced by the harness.
         model: the model name the harness is told.

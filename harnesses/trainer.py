@@ -45,7 +45,7 @@ from .errors import (
     SessionProtocolError,
 )
 from .gate import Completion, InterceptedRequest
-from .models import ChatClient, Message, ModelEndpoint, parse_chat_completion
+from .llm import ChatClient, Message, ModelEndpoint, parse_chat_completion
 from .session import AgentSession, AgentSessionFactory, RolloutRecord, Verification
 
 __all__ = [

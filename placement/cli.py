@@ -102,7 +102,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from runtimes import session
+    from runtimes import ownership
 
     async def gather() -> list[tuple[str, str, str, str, str]]:
         rows = []
@@ -115,7 +115,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 print(f"{name}: not listed ({exc})", file=sys.stderr)
                 continue
             for info in found:
-                dead = session.session_is_dead(info.labels)
+                dead = ownership.session_is_dead(info.labels)
                 status = {True: "dead", False: "alive", None: "unknown"}[dead]
                 rows.append((info.backend, info.id[:24], info.state, info.created or "", status))
         return rows
@@ -166,7 +166,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_judge(args: argparse.Namespace) -> int:
-    from harnesses.models import ModelTable
+    from harnesses.llm import ModelTable
 
     from .rollout import environment_models, judge_rollout, load_rollout, scripted_models
     from .run import AgentRun

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from harnesses.base import Trace
-from harnesses.models import ModelEndpoint, ModelTable
+from harnesses.llm import ModelEndpoint, ModelTable
 from harnesses.scripted import ScriptedEndpoint, ScriptItem
 from runtimes import RuntimeConfig, open_runtime
 

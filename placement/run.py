@@ -40,7 +40,7 @@ from harnesses.errors import (
     ModelConfigError,
     ModelError,
 )
-from harnesses.models import ModelEndpoint, ModelTable
+from harnesses.llm import ModelEndpoint, ModelTable
 from harnesses.null import parse_reply_json
 from harnesses.registry import load_harness_class, open_harness, resolve_harness_config
 from runtimes import (

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import session
+from . import ownership
 from .config import RuntimeConfig
 from .errors import SandboxError
 from .models import SandboxInfo
@@ -36,12 +36,12 @@ def _should_sweep(
     if all_sessions:
         return True, "--all"
     if older_than is not None:
-        created = session.created_at(labels)
+        created = ownership.created_at(labels)
         if created is not None:
             age = (_dt.datetime.now(_dt.UTC) - created).total_seconds()
             if age > older_than:
                 return True, f"older than {older_than:g}s ({age:.0f}s)"
-    dead = session.session_is_dead(labels)
+    dead = ownership.session_is_dead(labels)
     if dead:
         return True, "session is dead"
     if dead is None:
@@ -78,7 +78,7 @@ async def cleanup_sandboxes(
         for info in found:
             sweep, reason = _should_sweep(info.labels, all_sessions, older_than)
             if not sweep or (
-                info.labels.get(session.SESSION) == session.SESSION_ID and not all_sessions
+                info.labels.get(ownership.SESSION) == ownership.SESSION_ID and not all_sessions
             ):
                 results.append(SweepResult(info, "kept", reason))
                 continue

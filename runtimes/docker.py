@@ -4,7 +4,7 @@ Everything goes through the docker SDK (``docker-py``) and the Engine API, never
 ``docker`` CLI, so a remote engine (``tcp://``, ``ssh://``) works like the local socket.
 
 Owned sandboxes: :meth:`DockerRuntime.start` creates a container from ``image`` with a
-keep-alive command, vf-sandbox labels (:mod:`runtimes.session`), no network by default,
+keep-alive command, vf-sandbox labels (:mod:`runtimes.ownership`), no network by default,
 ``docker-init`` as PID 1 when the engine has it, and the workdir; ``close()`` removes it.
 Attach mode (``container=``): commands and files go to a running container the caller
 owns; ``close()`` leaves it running and untouched.
@@ -49,7 +49,7 @@ import anyio.abc
 import anyio.lowlevel
 from pydantic import Field, field_validator
 
-from . import session
+from . import ownership
 from ._extract import extract_archive
 from .base import MARK_VAR, Runtime, _write_local_file, shell_error, sweep_argv
 from .channel import (
@@ -1108,7 +1108,7 @@ class DockerRuntime(Runtime):
         options: dict[str, Any] = {
             "command": _KEEP_ALIVE,
             "detach": True,
-            "labels": session.session_labels(self.name, cfg.labels),
+            "labels": ownership.session_labels(self.name, cfg.labels),
             "network_mode": cfg.network,
             "working_dir": cfg.workdir or DEFAULT_WORKDIR,
             "name": f"{cfg.name_prefix}-{uuid.uuid4().hex[:12]}",
@@ -1912,7 +1912,7 @@ class DockerRuntime(Runtime):
         def listing() -> list[SandboxInfo]:
             api = _client_for(cfg).api
             found = []
-            for entry in api.containers(all=True, filters={"label": session.SESSION}):
+            for entry in api.containers(all=True, filters={"label": ownership.SESSION}):
                 labels = {str(k): str(v) for k, v in (entry.get("Labels") or {}).items()}
                 found.append(
                     SandboxInfo(
@@ -1920,7 +1920,7 @@ class DockerRuntime(Runtime):
                         id=str(entry["Id"]),
                         labels=labels,
                         state=str(entry.get("State", "unknown")),
-                        created=labels.get(session.CREATED),
+                        created=labels.get(ownership.CREATED),
                     )
                 )
             return found

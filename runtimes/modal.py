@@ -61,7 +61,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from . import limits, session
+from . import limits, ownership
 from .base import CLOCK_TICK_SCRIPT, MARK_VAR, Runtime, live_runtimes, sweep_argv
 from .channel import (
     ChannelHooks,
@@ -628,7 +628,7 @@ class ModalRuntime(Runtime):
 
     def _tags(self) -> dict[str, str]:
         extra = {**self.config.labels, **self.config.tags}
-        labels = session.session_labels(self.name, extra)
+        labels = ownership.session_labels(self.name, extra)
         return {key: value for key, value in labels.items() if value}
 
     async def _start(self) -> str:
@@ -1159,7 +1159,7 @@ class ModalRuntime(Runtime):
                 environment_name=cfg.environment,
             )
             found = await _collect(
-                modal.Sandbox.list, app_id=app.app_id, tags={session.BACKEND: cls.name}
+                modal.Sandbox.list, app_id=app.app_id, tags={ownership.BACKEND: cls.name}
             )
             infos = []
             for sandbox in found:
@@ -1170,7 +1170,7 @@ class ModalRuntime(Runtime):
                         id=str(sandbox.object_id),
                         labels=dict(labels),
                         state="running" if sandbox.returncode is None else "finished",
-                        created=labels.get(session.CREATED),
+                        created=labels.get(ownership.CREATED),
                     )
                 )
         except errors.NotFoundError:

@@ -50,7 +50,7 @@ import anyio.from_thread
 import anyio.to_thread
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from . import session
+from . import ownership
 from .base import MARK_VAR, Runtime, sweep_argv
 from .channel import (
     BOOTSTRAP,
@@ -1237,7 +1237,7 @@ class SSHRuntime(Runtime):
         with _UNCLOSED_LOCK:
             _UNCLOSED.add(self)
         meta = {
-            "labels": session.session_labels(self.name, self.config.labels),
+            "labels": ownership.session_labels(self.name, self.config.labels),
             "destination": self.config.destination,
             "workdir": self.config.workdir,
         }
@@ -1892,7 +1892,7 @@ def _parse_listing(out: bytes) -> list[SandboxInfo]:
                 id=path,
                 labels=labels,
                 state="present",
-                created=labels.get(session.CREATED),
+                created=labels.get(ownership.CREATED),
             )
         )
     return found

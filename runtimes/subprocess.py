@@ -40,7 +40,7 @@ import anyio
 import anyio.abc
 from pydantic import Field
 
-from . import session
+from . import ownership
 from .base import MARK_VAR, Runtime
 from .config import RuntimeConfig
 from .errors import (
@@ -114,7 +114,7 @@ class SubprocessRuntime(Runtime):
             st = os.lstat(self._dir)
             self._identity = (st.st_dev, st.st_ino)
             meta: dict[str, object] = {
-                "labels": session.session_labels(self.name, self.config.labels),
+                "labels": ownership.session_labels(self.name, self.config.labels),
                 "mark": self._mark,
                 "since": since,
             }
@@ -1058,7 +1058,7 @@ def _scan_root(root: Path) -> list[SandboxInfo]:
                 id=entry.name,
                 labels=labels,
                 state="present",
-                created=labels.get(session.CREATED),
+                created=labels.get(ownership.CREATED),
             )
         )
     return found

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from runtimes import session
+from runtimes import ownership
 from tests.docker.conftest import docker_client, no_leaks  # noqa: F401 - fixtures
 from tests.modal.support import fake_modal, fake_service  # noqa: F401 - fixtures
 from tests.ssh.sshd import IMAGE as SSHD_IMAGE
@@ -40,7 +40,7 @@ def no_python_image(docker_client: Any) -> Iterator[str]:  # noqa: F811
         ["sh", "-c", "rm -f /usr/bin/python3* /usr/local/bin/python3*"],
         detach=True,
         network_mode="none",
-        labels=session.session_labels("docker", {"vf-sandbox.role": "channel-test-image"}),
+        labels=ownership.session_labels("docker", {"vf-sandbox.role": "channel-test-image"}),
     )
     try:
         assert container.wait(timeout=60)["StatusCode"] == 0

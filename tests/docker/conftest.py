@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtimes import session
+from runtimes import ownership
 from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
 
 IMAGE = DOCKER_TEST_IMAGE
@@ -42,10 +42,10 @@ def docker_client() -> Iterator[object]:
         client.close()
 
 
-def session_containers(client: object, session_id: str = session.SESSION_ID) -> list[object]:
+def session_containers(client: object, session_id: str = ownership.SESSION_ID) -> list[object]:
     """Containers (any state) labelled with ``session_id``."""
     found: list[object] = client.containers.list(  # type: ignore[attr-defined]
-        all=True, filters={"label": f"{session.SESSION}={session_id}"}
+        all=True, filters={"label": f"{ownership.SESSION}={session_id}"}
     )
     return found
 

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
-from runtimes import session
+from runtimes import ownership
 from runtimes.cleanup import cleanup_sandboxes
 from runtimes.docker import DockerRuntime
 from tests.docker.conftest import session_containers
@@ -28,14 +28,14 @@ REPO = Path(__file__).resolve().parents[2]
 _CHILD = textwrap.dedent(
     """
     import sys, anyio
-    from runtimes import open_runtime, session
+    from runtimes import open_runtime, ownership
 
     async def main(count, close):
         runtimes = [open_runtime({"type": "docker"}) for _ in range(count)]
         async with anyio.create_task_group() as tg:
             for rt in runtimes:
                 tg.start_soon(rt.start)
-        print("READY", session.SESSION_ID, flush=True)
+        print("READY", ownership.SESSION_ID, flush=True)
         if close == "wait":
             await anyio.sleep(600)
 
@@ -92,8 +92,8 @@ async def test_sigkilled_session_leaves_labelled_containers_that_cleanup_removes
     left = session_containers(docker_client, child.session_id)
     assert len(left) == 5, "SIGKILL skips every backstop: the labels are what is left"
     for container in left:
-        assert container.labels[session.PID] == str(child.process.pid)
-        assert session.session_is_dead(container.labels) is True
+        assert container.labels[ownership.PID] == str(child.process.pid)
+        assert ownership.session_is_dead(container.labels) is True
 
     listed = {info.id for info in await DockerRuntime.list_sandboxes()}
     assert {c.id for c in left} <= listed
@@ -102,7 +102,9 @@ async def test_sigkilled_session_leaves_labelled_containers_that_cleanup_removes
     removed = {r.info.id for r in results if r.action == "removed"}
     assert {c.id for c in left} <= removed
     assert session_containers(docker_client, child.session_id) == []
-    kept = {r.info.id for r in results if r.info.labels.get(session.SESSION) == session.SESSION_ID}
+    kept = {
+        r.info.id for r in results if r.info.labels.get(ownership.SESSION) == ownership.SESSION_ID
+    }
     assert all(r.action == "kept" for r in results if r.info.id in kept), "live sessions stay"
 
 

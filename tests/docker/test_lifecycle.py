@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from runtimes import ProvisioningError, SandboxUnavailableError, open_runtime, session
+from runtimes import ProvisioningError, SandboxUnavailableError, open_runtime, ownership
 from runtimes.docker import DockerConfig, DockerRuntime
 from runtimes.limits import live_cap
 from runtimes.pytest_plugin import DockerRuntimeFactory
@@ -27,9 +27,9 @@ async def test_owned_container_carries_labels_and_settings(
         assert rt.sandbox_id is not None
         container = docker_client.containers.get(rt.sandbox_id)
         labels = container.labels
-        assert labels[session.SESSION] == session.SESSION_ID
-        assert labels[session.BACKEND] == "docker"
-        assert labels[session.OWNER] and labels[session.CREATED]
+        assert labels[ownership.SESSION] == ownership.SESSION_ID
+        assert labels[ownership.BACKEND] == "docker"
+        assert labels[ownership.OWNER] and labels[ownership.CREATED]
         assert labels["team"] == "rl"
         host = container.attrs["HostConfig"]
         assert host["NanoCpus"] == 500_000_000

@@ -12,7 +12,7 @@ import pytest
 
 from harnesses.base import Budget, Trace
 from harnesses.errors import ModelHTTPError, ProxyRouteError
-from harnesses.models import ChatClient, ModelEndpoint
+from harnesses.llm import ChatClient, ModelEndpoint
 from harnesses.proxy import ModelProxy, route_to_host
 from harnesses.scripted import bash_call, http_error, reply
 from runtimes import open_runtime

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from harnesses.base import Trace
-from harnesses.models import ModelTable
+from harnesses.llm import ModelTable
 from harnesses.scripted import ScriptedEndpoint, ScriptItem
 
 BACKENDS = [

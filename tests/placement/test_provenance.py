@@ -17,8 +17,8 @@ from harnesses.session import AgentSessionFactory
 from placement.errors import PlacementConfigError
 from placement.inputs import Snapshot
 from placement.run import run_judges
-from placement.session import JudgeVerifier
 from placement.specs import AgentSpec, JudgeSpec, load_judges
+from placement.verifier import JudgeVerifier
 from runtimes import open_runtime
 
 from .conftest import TASK, ModelsFactory

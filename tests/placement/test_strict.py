@@ -29,13 +29,13 @@ from harnesses.errors import (
     SessionVerifyError,
     UnknownModelError,
 )
-from harnesses.models import ModelTable
+from harnesses.llm import ModelTable
 from harnesses.scripted import ScriptedEndpoint, ScriptItem, bash_call, http_error, reply
 from harnesses.session import RolloutRecord, VerifyContext
 from placement import errors as PE
 from placement.run import AgentRun, run_judges
-from placement.session import JudgeVerifier
 from placement.specs import JudgeSpec
+from placement.verifier import JudgeVerifier
 from runtimes import Runtime, open_runtime
 
 from .conftest import TASK

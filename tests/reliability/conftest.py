@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import pytest
 
-from runtimes import Runtime, session
+from runtimes import Runtime, ownership
 from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
 from tests.ssh.sshd import IMAGE as SSHD_IMAGE
 from tests.ssh.sshd import SSHServer, image_present
@@ -180,9 +180,9 @@ def docker_client() -> Iterator[Any]:
         client.close()
 
 
-def session_containers(client: Any, session_id: str = session.SESSION_ID) -> list[Any]:
+def session_containers(client: Any, session_id: str = ownership.SESSION_ID) -> list[Any]:
     found: list[Any] = client.containers.list(
-        all=True, filters={"label": f"{session.SESSION}={session_id}"}
+        all=True, filters={"label": f"{ownership.SESSION}={session_id}"}
     )
     return found
 

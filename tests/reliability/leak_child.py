@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 
 import runtimes.modal
-from runtimes import open_runtime, session
+from runtimes import open_runtime, ownership
 from runtimes.base import Runtime
 
 _KEEP: list[Runtime] = []
@@ -48,7 +48,7 @@ def main() -> None:
         fake = FakeModalService(Path(state)).module()
         runtimes.modal._modal = lambda: fake  # type: ignore[assignment]
     sandboxes = anyio.run(_open_all, configs, mark)
-    print(json.dumps({"session": session.SESSION_ID, "sandboxes": sandboxes}), flush=True)
+    print(json.dumps({"session": ownership.SESSION_ID, "sandboxes": sandboxes}), flush=True)
     time.sleep(600)
 
 

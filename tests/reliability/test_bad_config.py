@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from harnesses.errors import ModelConfigError
-from harnesses.models import ModelTable
+from harnesses.llm import ModelTable
 from placement.errors import PlacementConfigError
 from placement.rollout import load_rollout
 from placement.specs import JudgeSpec, load_judges

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from runtimes import session
+from runtimes import ownership
 from runtimes.subprocess import default_root
 from tests.modal.fake_modal import FakeModalService
 from tests.modal.support import fake_config, fake_modal, fake_service  # noqa: F401 - fixtures
@@ -141,7 +141,7 @@ def test_sigkilled_session_is_swept_by_the_cli_on_every_backend(
     }
     assert processes == {"anywhere": [], "ssh host": []}, processes
     assert not any(
-        c.labels.get(session.SESSION) == opened["session"]
+        c.labels.get(ownership.SESSION) == opened["session"]
         for c in fake_service.docker.containers.list(filters={"status": "running"})
     ), "the fake Modal service still runs a sandbox of the dead session"
     TALLY.add("leaks: sandboxes SIGKILLed then swept", sum(len(v) for v in ids.values()))

@@ -28,7 +28,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from harnesses.base import Trace
-from harnesses.models import ModelTable
+from harnesses.llm import ModelTable
 from harnesses.proxy import ModelProxy, ProxyRun
 from harnesses.scripted import ScriptedEndpoint, bash_call, reply
 from placement.inputs import Snapshot

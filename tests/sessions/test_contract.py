@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from harnesses.base import Budget
-from harnesses.models import ModelTable
+from harnesses.llm import ModelTable
 from harnesses.scripted import ScriptedEndpoint, ScriptItem, bash_call, reply
 from harnesses.session import AgentSessionFactory
-from placement.session import JudgeVerifier
 from placement.specs import JudgeSpec
+from placement.verifier import JudgeVerifier
 
 from .conftest import no_leaks
 

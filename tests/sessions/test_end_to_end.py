@@ -17,11 +17,11 @@ import pytest
 
 from harnesses.bash import BASH_TOOL
 from harnesses.errors import SessionSandboxLost
-from harnesses.models import ModelTable
+from harnesses.llm import ModelTable
 from harnesses.scripted import ScriptedEndpoint, bash_call, reply
 from harnesses.session import AgentSessionFactory, Completion, RolloutRecord
-from placement.session import JudgeVerifier
 from placement.specs import JudgeSpec
+from placement.verifier import JudgeVerifier
 from runtimes import SandboxUnavailableError
 
 from .conftest import ScriptedTrainer, bash, containers_of, kill_sandbox, no_leaks

@@ -16,7 +16,7 @@ import pytest
 from harnesses.base import Trace
 from harnesses.errors import SessionDeliveryTimeout, SessionProtocolError
 from harnesses.gate import Completion, InterceptedRequest, RequestGate
-from harnesses.models import ChatClient, ModelEndpoint, ToolCall, Usage
+from harnesses.llm import ChatClient, ModelEndpoint, ToolCall, Usage
 from harnesses.proxy import ModelProxy, ProxyRun
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from harnesses.errors import SessionClosedError, SessionDeliveryTimeout
-from harnesses.models import ModelTable
+from harnesses.llm import ModelTable
 from harnesses.scripted import ScriptedEndpoint, bash_call, reply
 from harnesses.session import SyncAgentSessionFactory
-from placement.session import JudgeVerifier
+from placement.verifier import JudgeVerifier
 from runtimes import live_runtimes
 
 from .conftest import ScriptedTrainer, bash, host_processes, wait_for_no_extra_threads

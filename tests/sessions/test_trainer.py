@@ -14,7 +14,7 @@ import pytest
 
 from harnesses.base import Budget
 from harnesses.errors import SampleError
-from harnesses.models import ModelTable
+from harnesses.llm import ModelTable
 from harnesses.scripted import (
     ScriptedEndpoint,
     ScriptItem,
@@ -31,8 +31,8 @@ from harnesses.trainer import (
     build_sample,
     run_rollouts,
 )
-from placement.session import JudgeVerifier
 from placement.specs import JudgeSpec
+from placement.verifier import JudgeVerifier
 
 from .conftest import SUBPROCESS, no_leaks
 

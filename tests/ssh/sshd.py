@@ -28,7 +28,7 @@ os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
 
 from testcontainers.core.container import DockerContainer
 
-from runtimes import session
+from runtimes import ownership
 from runtimes.ssh import SSHConfig
 
 IMAGE = "vf-sandbox/sshd:latest"
@@ -126,7 +126,7 @@ class SSHServer:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> SSHServer:
-        labels = session.session_labels("docker", {"vf-sandbox.role": "ssh-test-server"})
+        labels = ownership.session_labels("docker", {"vf-sandbox.role": "ssh-test-server"})
         container = DockerContainer(IMAGE, labels=labels).with_env(
             "AUTHORIZED_KEY", self.key.public_line
         )

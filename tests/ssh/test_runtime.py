@@ -16,7 +16,7 @@ from runtimes import (
     SandboxInvalidArgumentError,
     SandboxUnavailableError,
     open_runtime,
-    session,
+    ownership,
 )
 from runtimes.cleanup import cleanup_sandboxes
 from runtimes.ssh import SSHConfig, SSHRuntime
@@ -227,8 +227,8 @@ async def test_sweep_removes_dead_sessions_only(sshd: SSHServer) -> None:
     async with open_runtime(config) as live:
         listed = {info.id: info for info in await SSHRuntime.list_sandboxes(config)}
         assert dead in listed and live.sandbox_id in listed
-        assert listed[live.sandbox_id].labels[session.SESSION] == session.SESSION_ID
-        assert listed[dead].labels[session.BACKEND] == "ssh"
+        assert listed[live.sandbox_id].labels[ownership.SESSION] == ownership.SESSION_ID
+        assert listed[dead].labels[ownership.BACKEND] == "ssh"
 
         results = {r.info.id: r for r in await cleanup_sandboxes([config])}
         assert results[dead].action == "removed", results[dead]

@@ -17,7 +17,7 @@ from harnesses.errors import (
     ModelTimeoutError,
     UnknownModelError,
 )
-from harnesses.models import ChatClient, ModelEndpoint, ModelTable
+from harnesses.llm import ChatClient, ModelEndpoint, ModelTable
 from harnesses.scripted import bash_call, http_error, reply
 
 from .conftest import ScriptedFactory

@@ -61,7 +61,7 @@ __all__ = [
     "redact",
 ]
 
-log = logging.getLogger("harnesses.models")
+log = logging.getLogger("harnesses.llm")
 
 POLICY = "policy"
 """The reserved logical name of the rollout's own model."""

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from harnesses.errors import SessionSandboxLost, SessionVerifyError
-from harnesses.models import ModelEndpoint, ModelTable
+from harnesses.llm import ModelEndpoint, ModelTable
 from harnesses.session import Verification, VerifyContext
 from runtimes.errors import SandboxError
 
