@@ -2,39 +2,41 @@
 
 Lifecycle (``start`` / ``close``) is kept apart from the operations on a live sandbox
 (``exec``, ``read``, ``write``, ...). The public methods here validate arguments,
-resolve paths, enforce timeouts and caps, and keep state; a backend implements the
-small ``_``-prefixed primitives and never repeats that work.
+resolve paths, enforce timeouts and caps, keep state, and route calls through the
+sandbox's channel when it has one (:mod:`runtimes.channel`: routing, fallback, restart
+and dead-sandbox probing all happen here, not in backends). A backend implements the
+small ``_``-prefixed primitives, the *plain* paths that work without the channel, and
+never repeats that work.
 
 Writing a backend: subclass :class:`Runtime`, set ``config_model``, implement
 ``_start``, ``_close``, ``_alive``, ``_exec``, ``_read`` and ``_write``. The defaults of
 ``_exists``, ``_remove``, ``_upload`` and ``_download`` go through ``_exec`` with POSIX
-tools (``test``, ``rm``, ``tar``); override them where the transport does better. Then
-run the conformance suite (:mod:`runtimes.testing`) against it.
+tools (``test``, ``rm``, ``tar``); override them where the transport does better. A
+backend that can run the channel's agent returns its :class:`ChannelHooks` from
+``_channel_hooks`` (the transport to run the agent over, and how to kill, probe and
+verify through the plain path) and calls ``_start_channel`` inside ``_start``. Then run
+the conformance suite (:mod:`runtimes.testing`) against it.
 """
 
 from __future__ import annotations
 
-import abc
-import atexit
-import io
 import logging
-import os
 import posixpath
-import tarfile
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import ClassVar, Self, TypeVar
 
 import anyio
 import anyio.lowlevel
 
-from ._extract import extract_archive
+from . import lifecycle, limits
+from ._local_files import shell_error, write_local_file
+from .arguments import PathLike, check_local_path, exec_request, resolve_sandbox_path, text_bytes
+from .channel import ChannelSupervisor
 from .config import RuntimeConfig
 from .errors import (
     ExecTimeoutError,
@@ -45,128 +47,21 @@ from .errors import (
     SandboxInvalidArgumentError,
     SandboxUnavailableError,
 )
+from .lifecycle import State, live_runtimes
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
 from .policy import PolicyAccount
-from .routes import HostRoute, RouteKind, choose_route
+from .primitives import Primitives
+from .routes import HostRoute, RouteKind, channel_route, choose_route
+from .sweep import CLOCK_TICK_SCRIPT, MARK_VAR, SWEEP_SCRIPT, sweep_argv
 
 log = logging.getLogger("runtimes")
 
-PathLike = str | os.PathLike[str]
+T = TypeVar("T")
 
-_NEW, _STARTING, _OPEN, _CLOSING, _CLOSED = "new", "starting", "open", "closing", "closed"
-
-_NAME_MAX = 255
-_PATH_MAX = 4095
-"""Linux's limits on one path component and on a whole path, in bytes."""
-
-MARK_VAR = "VF_SANDBOX_RUNTIME"
-"""Every command a runtime starts carries ``VF_SANDBOX_RUNTIME=<runtime mark>`` in its
-environment, so :meth:`Runtime.stop_processes` can find what is left of them."""
-
-SWEEP_SCRIPT = r"""
-# Freeze, then kill: every matching process is sent SIGSTOP (which cannot be caught) until a
-# whole pass over /proc finds none still running and no process it had not seen before, so a
-# fork loop cannot outrun the sweep; then all of them get SIGKILL. Arguments: the mode, the
-# mark (NAME=value), a pid whose session is spared (the channel agent, or ""), a user all of
-# whose processes are the policy's ("").
-# Modes: ``all``, every process outside session 1 (a container of ours: its keep-alive is
-# session 1); ``since:T``, every process started at or after clock tick T (a sandbox of ours
-# whose own processes predate T); ``mark``, processes carrying the mark in their environment
-# or owned by the user, or whose working directory is $5 (the sandbox's own). The sweep's
-# own session and its ancestors are always spared.
-mode=$1 mark=$2 keep=$3 user=$4 home=$5
-since=""; case $mode in since:*) since=${mode#since:} ;; esac
-sid_of() {
-  { read -r __s < "/proc/$1/stat"; } 2>/dev/null || return 1
-  set -f; set -- ${__s##*) }; set +f; echo "$4"
-}
-ancestors() {
-  __p=$1
-  while [ -n "$__p" ] && [ "$__p" -gt 1 ] 2>/dev/null; do
-    echo "$__p"
-    { read -r __s < "/proc/$__p/stat"; } 2>/dev/null || return 0
-    set -f; set -- ${__s##*) }; set +f; __p=$2
-  done
-}
-mine=$(sid_of $$)
-spare=""; [ -n "$keep" ] && spare=$(sid_of "$keep")
-kept=" $(ancestors $$ | tr '\n' ' ') "
-[ -n "$keep" ] && kept="$kept$(ancestors "$keep" | tr '\n' ' ') "
-uid=""; if [ -n "$user" ]; then uid=$(id -u -- "$user" 2>/dev/null) || uid=""; fi
-[ "$uid" = "$(id -u)" ] && uid=""
-# look PID NEW: freeze PID if it matches; NEW=1 for a pid the pass before did not list.
-look() {
-  case $kept in *" $1 "*) return ;; esac
-  if ! { read -r s < "/proc/$1/stat"; } 2>/dev/null; then unsure=$((unsure | $2)); return; fi
-  set -f; set -- "$1" "$2" ${s##*) }; set +f
-  state=$3 sid=$6 started=${22}
-  case $state in Z|X|x) unsure=$((unsure | $2)); return ;; esac
-  case $other in *" $1:$started "*) return ;; esac
-  hit=1
-  if [ "$sid" = "$mine" ] || { [ -n "$spare" ] && [ "$sid" = "$spare" ]; }; then hit=0
-  elif [ "$mode" = all ]; then
-    [ "$sid" = 1 ] && hit=0
-  elif [ -n "$since" ]; then
-    [ "$started" -ge "$since" ] || hit=0
-  else
-    hit=0
-    if [ -n "$uid" ]; then
-      while read -r k v r; do
-        [ "$k" = Uid: ] && { [ "$v" = "$uid" ] && hit=1; break; }
-      done 2>/dev/null < "/proc/$1/status"
-    fi
-    if [ "$hit" = 1 ]; then :
-    elif [ -n "$home" ] && [ "/proc/$1/cwd" -ef "$home" ]; then hit=1
-    elif tr '\0' '\n' 2>/dev/null < "/proc/$1/environ" | grep -qxF -- "$mark"; then hit=1; fi
-  fi
-  if [ "$hit" = 0 ]; then other="$other$1:$started "; return; fi
-  case $seen in *" $1 "*) ;; *) seen="$seen$1 " ;; esac
-  case $state in T|t) ;; *) kill -STOP "$1" 2>/dev/null && running=$((running + 1)) ;; esac
-}
-seen=" " other=" " listed=" " pass=0 quiet=0
-while [ "$pass" -lt 500 ]; do
-  pass=$((pass + 1)); running=0 unsure=0 before=$listed listed=" " new="" old=""
-  for d in /proc/[0-9]*; do
-    p=${d#/proc/}
-    listed="$listed$p "
-    case $before in *" $p "*) old="$old $p" ;; *) new="$new $p" ;; esac
-  done
-  # New processes first: a fork loop's live member is among them, and about to exit.
-  for p in $new; do look "$p" 1; done
-  for p in $old; do look "$p" 0; done
-  # In a sandbox of our own (all, since): done once a pass froze nothing and read every
-  # process new since the pass before: one that forked and exited in between (unreadable, or
-  # a zombie) may have left a child only the next pass lists. Beside a host's other
-  # processes (mark), which come and go all the time: three passes in a row that froze
-  # nothing. Processes found not to match are not read again.
-  if [ "$running" -eq 0 ]; then quiet=$((quiet + 1)); else quiet=0; fi
-  if [ "$mode" = mark ]; then [ "$quiet" -ge 3 ] && break
-  else [ "$running" -eq 0 ] && [ "$unsure" -eq 0 ] && [ "$pass" -gt 1 ] && break; fi
-done
-total=0
-for p in $seen; do kill -KILL "$p" 2>/dev/null && total=$((total + 1)); done
-echo "$total"
-"""
-"""The process sweep behind :meth:`Runtime.stop_processes` (POSIX ``sh``, ``/proc``)."""
-
-CLOCK_TICK_SCRIPT = 'read -r s < "/proc/$$/stat"; set -f; set -- ${s##*) }; echo "${20}"'
-"""Prints the start time (clock ticks since boot) of the shell running it: every process
-started later has a start time at least this large (the ``since:T`` sweep mode)."""
+_write_local_file = write_local_file  # the name backends imported before the split
 
 
-def sweep_argv(
-    mode: str,
-    mark: str,
-    *,
-    keep: int | None = None,
-    user: str | None = None,
-    home: str | None = None,
-) -> list[str]:
-    """The argv of one :data:`SWEEP_SCRIPT` run (see its comment for the arguments)."""
-    return ["sh", "-c", SWEEP_SCRIPT, "sh", mode, mark, str(keep or ""), user or "", home or ""]
-
-
-class Runtime(abc.ABC):
+class Runtime(Primitives):
     """One sandbox, as an async context manager.
 
     ``async with SomeRuntime(config) as rt:`` creates the sandbox, and leaving the block
@@ -190,40 +85,72 @@ class Runtime(abc.ABC):
                 f"got {type(config).__name__}"
             )
         self.config = config
-        self._state = _NEW
+        self._state = State.NEW
         self._workdir: str | None = None
         self._mark = uuid.uuid4().hex
         self._policy_account = PolicyAccount()
+        self._holds_slot = False
+        self._orphans: set[int] = set()
+        """Process groups whose kill could not be delivered (the sandbox was paused, the
+        transport failed): killed before the next command, or before a borrowed sandbox
+        is let go."""
+        self._channel: ChannelSupervisor | None = None
+        self._channel_built = False
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> Self:
         """Create (or attach to) the sandbox and wait until it is ready.
 
-        Creation is shielded from cancellation until the backend holds a handle on what
-        it created; if the caller was cancelled meanwhile, the sandbox is closed again
-        before the cancellation propagates, so nothing leaks.
+        A runtime that creates its sandbox first waits (cancellably) for a slot under its
+        config's ``max_live`` (process-wide per backend), then for :meth:`_before_start`
+        (a backend's pacing). Creation is then shielded from cancellation until the
+        backend holds a handle on what it created; if the caller was cancelled meanwhile,
+        the sandbox is closed again before the cancellation propagates, so nothing leaks.
 
         Raises:
             ProvisioningError: the sandbox could not be created (image missing, quota,
                 authentication, unreachable host).
             SandboxUnavailableError: the runtime was already started or closed.
         """
-        if self._state != _NEW:
-            raise SandboxUnavailableError(f"{self.describe()} was already started ({self._state})")
-        self._state = _STARTING
+        if self._state != State.NEW:
+            raise SandboxUnavailableError(
+                f"{self.describe()} was already started ({self._state.value})"
+            )
+        await self._take_live_slot()
+        try:
+            await self._before_start()
+        except BaseException:
+            self._release_live_slot()
+            raise
+        if self.closed:  # closed while it waited
+            self._release_live_slot()
+            raise SandboxUnavailableError(
+                f"{self.describe()} was already started ({self._state.value})"
+            )
+        self._state = State.STARTING
         try:
             with anyio.CancelScope(shield=True):
                 self._workdir = await self._start()
-                self._state = _OPEN
-                _LIVE.add(self)
-                _register_backstop_last()
+                self._state = State.OPEN
+                lifecycle.hold(self)
             await anyio.lowlevel.checkpoint()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._close_quietly()
             raise
         return self
+
+    async def _take_live_slot(self) -> None:
+        limit = self._live_cap()
+        if limit is not None:
+            await limits.live_cap(self.name).acquire(limit)
+            self._holds_slot = True
+
+    def _release_live_slot(self) -> None:
+        if self._holds_slot:
+            self._holds_slot = False
+            limits.live_cap(self.name).release()
 
     async def close(self) -> None:
         """Destroy the sandbox (or release a borrowed one). Idempotent and shielded.
@@ -235,16 +162,27 @@ class Runtime(abc.ABC):
                 the sandbox is left to ``vf-sandbox cleanup``.
         """
         with anyio.CancelScope(shield=True):
-            if self._state in (_CLOSED, _CLOSING):
+            if self._state in (State.CLOSED, State.CLOSING):
                 return
             was = self._state
-            self._state = _CLOSING
-            _LIVE.discard(self)
+            self._state = State.CLOSING
+            lifecycle.release(self)
             try:
-                if was in (_STARTING, _OPEN):
+                if was in (State.STARTING, State.OPEN):
+                    await self._close_channel()
+                    if self._orphans and self._keeps_sandbox():
+                        await self._kill_orphans()
                     await self._close()
             finally:
-                self._state = _CLOSED
+                self._mark_closed()
+
+    def _mark_closed(self) -> None:
+        """The one way to mark this runtime closed: out of the exit registry, its live
+        slot given back. ``close()`` ends with it; a backend's synchronous
+        :meth:`_close_at_exit` calls it once the sandbox is gone."""
+        self._state = State.CLOSED
+        lifecycle.release(self)
+        self._release_live_slot()
 
     async def _close_quietly(self) -> None:
         try:
@@ -274,7 +212,12 @@ class Runtime(abc.ABC):
 
     @property
     def closed(self) -> bool:
-        return self._state == _CLOSED
+        return self._state == State.CLOSED
+
+    @property
+    def state(self) -> State:
+        """Where this runtime is in its life (:class:`~runtimes.lifecycle.State`)."""
+        return self._state
 
     def describe(self) -> str:
         """A short human name for messages: backend plus sandbox id."""
@@ -315,7 +258,7 @@ class Runtime(abc.ABC):
         Raises:
             SandboxTransportError: liveness cannot be decided because the channel failed.
         """
-        if self._state != _OPEN:
+        if self._state != State.OPEN:
             return False
         with self._guard("alive"):
             return await self._alive()
@@ -380,7 +323,7 @@ class Runtime(abc.ABC):
             if timeout is not None:
                 scope.deadline = anyio.current_time() + timeout
             with self._guard("exec", request.argv[0]):
-                exit_code = await self._exec(request, sink)
+                exit_code = await self._routed_exec(request, sink)
         if sink.overflowed:
             raise OutputLimitExceededError(
                 f"output of {request.argv[0]!r}",
@@ -414,7 +357,7 @@ class Runtime(abc.ABC):
         if limit < 0:
             raise SandboxInvalidArgumentError(f"max_bytes must be >= 0, got {limit}")
         with self._guard("read", resolved):
-            data = await self._read(resolved, limit)
+            data = await self._routed_read(resolved, limit)
         if len(data) > limit:
             raise OutputLimitExceededError(f"read of {resolved!r}", limit, path=resolved)
         return data
@@ -430,9 +373,9 @@ class Runtime(abc.ABC):
         """
         self._check_open()
         resolved = self.resolve_path(path)
-        payload = _text_bytes(data, "data") if isinstance(data, str) else bytes(data)
+        payload = text_bytes(data, "data") if isinstance(data, str) else bytes(data)
         with self._guard("write", resolved):
-            await self._write(resolved, payload)
+            await self._routed_write(resolved, payload)
 
     async def exists(self, path: PathLike) -> bool:
         """Whether anything (file, directory, symlink, even a dangling one) is at ``path``.
@@ -446,7 +389,7 @@ class Runtime(abc.ABC):
         self._check_open()
         resolved = self.resolve_path(path)
         with self._guard("exists", resolved):
-            return await self._exists(resolved)
+            return await self._routed_exists(resolved)
 
     async def remove(self, path: PathLike, *, missing_ok: bool = False) -> None:
         """Remove a file, a symlink (not its target) or a whole directory tree.
@@ -468,11 +411,11 @@ class Runtime(abc.ABC):
                 f"refusing to remove the workdir {self.workdir!r} or a parent of it ({resolved!r})"
             )
         with self._guard("remove", resolved):
-            if not await self._exists(resolved):
+            if not await self._routed_exists(resolved):
                 if missing_ok:
                     return
                 raise SandboxFileNotFoundError(resolved)
-            await self._remove(resolved)
+            await self._routed_remove(resolved)
 
     async def upload(self, local: PathLike, remote: PathLike) -> None:
         """Copy a local file or directory tree to ``remote`` (created, parents included).
@@ -486,7 +429,7 @@ class Runtime(abc.ABC):
             SandboxPermissionError: not writable.
         """
         self._check_open()
-        _check_local_path(local)
+        check_local_path(local)
         source = Path(local)
         if not await anyio.Path(source).exists():
             raise FileNotFoundError(
@@ -522,7 +465,7 @@ class Runtime(abc.ABC):
             SandboxError: the sandbox's archive of the tree is malformed.
         """
         self._check_open()
-        _check_local_path(local)
+        check_local_path(local)
         resolved = self.resolve_path(remote)
         with self._guard("download", resolved):
             await self._download(resolved, Path(local), skip_unsafe=skip_unsafe)
@@ -532,7 +475,7 @@ class Runtime(abc.ABC):
     def host_routes(self) -> tuple[RouteKind, ...]:
         """The routes by which a process in this sandbox can reach a port on the host,
         the default first (see :mod:`runtimes.routes`). Empty: none."""
-        return self._host_routes() if self._state == _OPEN else ()
+        return self._all_host_routes() if self._state == State.OPEN else ()
 
     async def plan_host_route(self, via: str | None = None) -> tuple[RouteKind, str]:
         """The route :meth:`expose_host` will take (``via``, or the default) and the host
@@ -545,7 +488,7 @@ class Runtime(abc.ABC):
             SandboxError: probing the sandbox failed.
         """
         self._check_open()
-        kind = choose_route(self._host_routes(), via, self.describe(), self._route_hint())
+        kind = choose_route(self._all_host_routes(), via, self.describe(), self._route_hint())
         with self._guard("planning a route to the host"):
             return kind, await self._host_bind_address(kind)
 
@@ -563,12 +506,25 @@ class Runtime(abc.ABC):
         self._check_open()
         if not 0 < port < 65536:
             raise SandboxInvalidArgumentError(f"not a TCP port: {port}")
-        kind = choose_route(self._host_routes(), via, self.describe(), self._route_hint())
+        kind = choose_route(self._all_host_routes(), via, self.describe(), self._route_hint())
         with self._guard("exposing a host port"):
+            if kind == "channel":
+                return await channel_route(self._require_channel(), port)
             return await self._expose_host(port, kind)
 
+    def _all_host_routes(self) -> tuple[RouteKind, ...]:
+        """The backend's routes with the channel's relay: after ``loopback`` (no hop at
+        all), before the rest (it needs no network)."""
+        own = self._host_routes()
+        channel = self._supervisor
+        if channel is None or not channel.can_relay:
+            return own
+        direct = tuple(kind for kind in own if kind == "loopback")
+        return (*direct, "channel", *(kind for kind in own if kind != "loopback"))
+
     def _host_routes(self) -> tuple[RouteKind, ...]:
-        """The routes this backend has now, the default first."""
+        """The routes this backend makes itself, the default first (the base adds the
+        channel's relay)."""
         return ()
 
     def _route_hint(self) -> str:
@@ -580,7 +536,7 @@ class Runtime(abc.ABC):
         return "127.0.0.1"
 
     async def _expose_host(self, port: int, via: RouteKind) -> HostRoute:
-        """Make the route (``via`` is one of :meth:`_host_routes`)."""
+        """Make the route (``via`` is one of :meth:`_host_routes`, never ``channel``)."""
         raise HostRouteError(f"{self.describe()} cannot make a {via!r} route", via=via)
 
     async def stop_processes(self) -> int:
@@ -603,7 +559,7 @@ class Runtime(abc.ABC):
         self._check_open()
         request, sink = self._internal(self._sweep_argv())
         with self._guard("stop_processes"):
-            code = await self._exec(request, sink)
+            code = await self._routed_exec(request, sink)
         return self._swept(code, sink)
 
     def _sweep_argv(self) -> list[str]:
@@ -632,16 +588,7 @@ class Runtime(abc.ABC):
                 that stands for no byte, a component over 255 bytes (NAME_MAX) or the whole
                 over 4095 bytes (PATH_MAX).
         """
-        text = os.fspath(path)
-        if not isinstance(text, str):
-            raise SandboxInvalidArgumentError(f"sandbox paths are text, got {type(text).__name__}")
-        if not text:
-            raise SandboxInvalidArgumentError("empty path")
-        if "\x00" in text:
-            raise SandboxInvalidArgumentError(f"path contains a NUL byte: {text!r}")
-        resolved = text if text.startswith("/") else posixpath.join(self.workdir, text)
-        _check_path_length(resolved)
-        return resolved
+        return resolve_sandbox_path(path, self.workdir)
 
     def _exec_request(
         self,
@@ -653,44 +600,15 @@ class Runtime(abc.ABC):
         user: str | None,
         output_limit: int | None,
     ) -> ExecRequest:
-        if isinstance(argv, str | bytes):
-            raise SandboxInvalidArgumentError(
-                "argv must be a sequence of strings, not a shell string; "
-                "pass ['sh', '-c', command] to use a shell"
-            )
-        args = tuple(argv)
-        if not args:
-            raise SandboxInvalidArgumentError("empty argv")
-        for arg in args:
-            if not isinstance(arg, str):
-                raise SandboxInvalidArgumentError(
-                    f"argv items must be str, got {type(arg).__name__}"
-                )
-            if "\x00" in arg:
-                raise SandboxInvalidArgumentError(f"argv item contains a NUL byte: {arg[:60]!r}")
-            _text_bytes(arg, "an argv item")
-        merged_env = dict(self.config.env)
-        merged_env[MARK_VAR] = self._mark
-        for key, value in (env or {}).items():
-            if not key or "=" in key or "\x00" in key or "\x00" in value:
-                raise SandboxInvalidArgumentError(f"invalid environment variable {key!r}")
-            _text_bytes(key, "an environment variable's name")
-            _text_bytes(value, f"the value of environment variable {key!r}")
-            merged_env[key] = value
-        if timeout is not None and timeout <= 0:
-            raise SandboxInvalidArgumentError(f"timeout must be > 0, got {timeout}")
-        limit = self.config.output_limit if output_limit is None else output_limit
-        if limit <= 0:
-            raise SandboxInvalidArgumentError(f"output_limit must be > 0, got {limit}")
-        data = _text_bytes(stdin, "stdin") if isinstance(stdin, str) else stdin
-        return ExecRequest(
-            argv=args,
-            cwd=self.workdir if cwd is None else self.resolve_path(cwd),
-            env=merged_env,
-            stdin=data,
+        return exec_request(
+            argv,
+            cwd=lambda: self.workdir if cwd is None else self.resolve_path(cwd),
+            base_env={**self.config.env, MARK_VAR: self._mark},
+            env=env,
+            stdin=stdin,
             user=user,
             timeout=timeout,
-            output_limit=limit,
+            output_limit=self.config.output_limit if output_limit is None else output_limit,
         )
 
     _creates_policy_user: ClassVar[bool] = True
@@ -704,12 +622,12 @@ class Runtime(abc.ABC):
     async def _run_as_machinery(self, argv: list[str]) -> tuple[int, bytes]:
         request, sink = self._internal(argv)
         with self._guard("preparing the policy's account"):
-            code = await self._exec(request, sink)
+            code = await self._routed_exec(request, sink)
         return code, bytes(sink.stderr)
 
     def _check_open(self) -> None:
-        if self._state != _OPEN:
-            what = {_NEW: "was never started", _STARTING: "is still starting"}.get(
+        if self._state != State.OPEN:
+            what = {State.NEW: "was never started", State.STARTING: "is still starting"}.get(
                 self._state, "is closed"
             )
             raise SandboxUnavailableError(f"{self.describe()} {what}")
@@ -727,111 +645,6 @@ class Runtime(abc.ABC):
                 f"{self.describe()}: {operation}{about} failed unexpectedly: {exc!r}"
             ) from exc
 
-    # ------------------------------------------------------------------ backend primitives
-
-    @abc.abstractmethod
-    async def _start(self) -> str:
-        """Create or attach to the sandbox; return its absolute workdir.
-
-        Runs shielded. Keep a handle on what was created before any further await, so
-        that ``_close`` can remove it if readiness then fails.
-        """
-
-    @abc.abstractmethod
-    async def _close(self) -> None:
-        """Destroy (or release) the sandbox. Must cope with a half-finished ``_start``."""
-
-    @abc.abstractmethod
-    async def _alive(self) -> bool:
-        """Liveness probe: ``False`` for a dead sandbox, never an exception for it."""
-
-    @abc.abstractmethod
-    async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
-        """Run the command, feeding output to ``sink``; return the exit code (128+N on signal).
-
-        When cancelled (timeout, output cap, or the caller), kill the whole process tree
-        inside the sandbox, shielded, then let the cancellation propagate.
-        """
-
-    @abc.abstractmethod
-    async def _read(self, path: str, limit: int) -> bytes:
-        """Read a file. May return more than ``limit`` bytes (the caller raises), or raise
-        ``OutputLimitExceededError`` itself without transferring the content."""
-
-    @abc.abstractmethod
-    async def _write(self, path: str, data: bytes) -> None:
-        """Write a file, creating parents."""
-
-    async def _exists(self, path: str) -> bool:
-        request, sink = self._internal(["sh", "-c", 'test -e "$1" || test -L "$1"', "sh", path])
-        return await self._exec(request, sink) == 0
-
-    async def _remove(self, path: str) -> None:
-        request, sink = self._internal(["rm", "-rf", "--", path])
-        if await self._exec(request, sink) != 0:
-            raise shell_error(path, sink)
-
-    async def _upload(self, source: Path, remote: str) -> None:
-        if await anyio.Path(source).is_file():
-            await self._write(remote, await anyio.Path(source).read_bytes())
-            return
-        archive = await anyio.to_thread.run_sync(_tar_directory, source)
-        request, sink = self._internal(
-            ["sh", "-c", 'mkdir -p -- "$1" && tar -x -f - -C "$1"', "sh", remote], stdin=archive
-        )
-        if await self._exec(request, sink) != 0:
-            raise shell_error(remote, sink)
-
-    async def _download(self, remote: str, local: Path, *, skip_unsafe: bool = False) -> None:
-        """Copy ``remote`` to ``local``; a directory goes through :func:`_untar_into`,
-        which treats the archive as hostile (``skip_unsafe``: leave unsafe members out)."""
-        request, sink = self._internal(
-            [
-                "sh",
-                "-c",
-                'if [ -d "$1" ]; then exit 3; elif [ -e "$1" ]; then exit 4; else exit 2; fi',
-                "sh",
-                remote,
-            ]
-        )
-        kind = await self._exec(request, sink)
-        if kind == 2:
-            raise SandboxFileNotFoundError(remote)
-        if kind == 4:
-            data = await self._read(remote, self.config.read_limit)
-            await anyio.to_thread.run_sync(_write_local_file, local, data)
-            return
-        request, sink = self._internal(
-            ["tar", "-c", "-f", "-", "-C", remote, "."], limit=self.config.read_limit
-        )
-        code = await self._exec(request, sink)
-        if sink.overflowed:
-            raise OutputLimitExceededError(
-                f"download of {remote!r}", self.config.read_limit, path=remote
-            )
-        if code != 0:
-            raise shell_error(remote, sink)
-        await anyio.to_thread.run_sync(
-            lambda: _untar_into(bytes(sink.stdout), local, skip_unsafe=skip_unsafe)
-        )
-
-    def _internal(
-        self, argv: list[str], *, stdin: bytes | None = None, limit: int = 1 << 20
-    ) -> tuple[ExecRequest, OutputSink]:
-        """An exec request for the runtime's own bookkeeping commands."""
-        return (
-            ExecRequest(
-                argv=tuple(argv),
-                cwd=self._workdir or "/",
-                env={},
-                stdin=stdin,
-                user=None,
-                timeout=None,
-                output_limit=limit,
-            ),
-            OutputSink(limit),
-        )
-
     # ------------------------------------------------------------------ sweeping
 
     @classmethod
@@ -848,126 +661,19 @@ class Runtime(abc.ABC):
         raise SandboxError(f"{cls.name} cannot remove sandboxes it did not open")
 
     def _close_at_exit(self) -> None:
-        """The atexit backstop: close this runtime on a fresh event loop."""
+        """The atexit backstop: close this runtime on a fresh event loop. A backend whose
+        client cannot run a fresh loop at exit overrides it with a synchronous teardown:
+        :meth:`_close_channel_now`, remove the sandbox, then :meth:`_mark_closed`."""
         anyio.run(self.close)
 
 
-def _text_bytes(text: str, what: str) -> bytes:
-    """``text`` as the bytes the sandbox sees: UTF-8, where the lone surrogates Python
-    uses for undecodable bytes (``os.fsdecode``, ``surrogateescape``) stand for those bytes.
-
-    Raises:
-        SandboxInvalidArgumentError: a lone surrogate that stands for no byte.
-    """
-    try:
-        return text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError as exc:
-        raise SandboxInvalidArgumentError(
-            f"{what} is not encodable text (a lone surrogate at position {exc.start}): "
-            f"{text[:60]!r}"
-        ) from None
-
-
-def _check_path_length(path: str) -> None:
-    encoded = _text_bytes(path, "a path")
-    shown = path if len(path) <= 80 else f"{path[:80]}... ({len(encoded)} bytes)"
-    if len(encoded) > _PATH_MAX:
-        raise SandboxInvalidArgumentError(
-            f"path longer than the kernel's {_PATH_MAX}-byte limit (PATH_MAX): {shown!r}"
-        )
-    if max(len(part) for part in encoded.split(b"/")) > _NAME_MAX:
-        raise SandboxInvalidArgumentError(
-            f"a path component is longer than the kernel's {_NAME_MAX}-byte limit "
-            f"(NAME_MAX): {shown!r}"
-        )
-
-
-def _check_local_path(local: PathLike) -> None:
-    if "\x00" in os.fspath(local):
-        raise SandboxInvalidArgumentError(f"local path contains a NUL byte: {local!r}")
-
-
-def shell_error(path: str, sink: OutputSink) -> SandboxError:
-    """The typed error a failed shell file command reported on its stderr."""
-    from .errors import error_for_errno
-
-    message = bytes(sink.stderr).decode("utf-8", "replace").strip()
-    lowered = message.lower()
-    for needle, num in (
-        ("no such file", 2),
-        ("directory nonexistent", 2),  # dash: "cannot create x/y: Directory nonexistent"
-        ("permission denied", 13),
-        ("not a directory", 20),
-        ("is a directory", 21),
-        ("read-only file system", 30),
-    ):
-        if needle in lowered:
-            return error_for_errno(num, path, message or None)
-    return SandboxError(f"operation on {path!r} failed: {message or 'no message'}")
-
-
-def _tar_directory(source: Path) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for entry in sorted(source.iterdir()):
-            tar.add(entry, arcname=entry.name)
-    return buf.getvalue()
-
-
-def _untar_into(data: bytes, local: Path, *, skip_unsafe: bool = False) -> None:
-    """Unpack a tar made in the sandbox into ``local``, never trusting it (see
-    :mod:`runtimes._extract`)."""
-    extract_archive(io.BytesIO(data), local, skip_unsafe=skip_unsafe)
-
-
-def _write_local_file(local: Path, data: bytes) -> None:
-    local.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=local.parent, prefix=".vf-download-")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, local)
-    except BaseException:
-        with _suppress_os_error():
-            os.unlink(tmp)
-        raise
-
-
-@contextmanager
-def _suppress_os_error() -> Iterator[None]:
-    with suppress(OSError):
-        yield
-
-
-# ---------------------------------------------------------------------- atexit backstop
-
-# Strong references on purpose: a runtime nobody closed must still be reachable at exit.
-_LIVE: set[Runtime] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-def live_runtimes() -> list[Runtime]:
-    """Runtimes of this process that are open right now."""
-    with _LIVE_LOCK:
-        return list(_LIVE)
-
-
-def _close_leftovers() -> None:
-    for runtime in live_runtimes():
-        try:
-            runtime._close_at_exit()
-        except Exception:
-            log.warning("atexit: could not close %s", runtime.describe(), exc_info=True)
-
-
-def _register_backstop_last() -> None:
-    """atexit runs the last-registered handler first. Backend SDKs imported lazily (in
-    ``_start``) register handlers that tear down their own clients; re-registering after
-    each start keeps the backstop ahead of them, while their clients still work."""
-    atexit.unregister(_close_leftovers)
-    atexit.register(_close_leftovers)
-
-
-atexit.register(_close_leftovers)
-
-__all__ = ["Runtime", "live_runtimes"]
+__all__ = [
+    "CLOCK_TICK_SCRIPT",
+    "MARK_VAR",
+    "SWEEP_SCRIPT",
+    "Runtime",
+    "State",
+    "live_runtimes",
+    "shell_error",
+    "sweep_argv",
+]

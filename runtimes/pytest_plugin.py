@@ -30,6 +30,7 @@ import pytest
 
 from .base import Runtime
 from .config import RuntimeConfig
+from .lifecycle import State
 from .registry import open_runtime
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def sandbox_factory() -> Iterator[RuntimeFactory]:
         return runtime
 
     yield factory
-    leaked = [rt.describe() for rt in made if not rt.closed and rt._state != "new"]
+    leaked = [rt.describe() for rt in made if rt.state not in (State.NEW, State.CLOSED)]
     assert not leaked, f"runtimes left open by the test: {leaked}"
 
 

@@ -146,7 +146,7 @@ class SubprocessRuntime(Runtime):
 
     def _close_at_exit(self) -> None:
         self._teardown()
-        self._state = "closed"
+        self._mark_closed()
 
     def _teardown(self) -> None:
         """Kill every process of the sandbox (freeze-then-kill), then remove its directory

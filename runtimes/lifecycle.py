@@ -1,0 +1,72 @@
+"""A runtime's lifecycle state, and the one registry of runtimes still open at exit.
+
+Every started runtime is held (strongly: one nobody closed must still be reachable) in a
+process-wide registry until it closes; an ``atexit`` handler closes what is left, each runtime
+through its own :meth:`~runtimes.base.Runtime._close_at_exit`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import Runtime
+
+__all__ = ["State", "live_runtimes"]
+
+log = logging.getLogger("runtimes")
+
+
+class State(enum.StrEnum):
+    """Where a runtime is in its life. Only :class:`~runtimes.base.Runtime` moves it on."""
+
+    NEW = "new"
+    STARTING = "starting"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+_LIVE: set[Runtime] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def live_runtimes() -> list[Runtime]:
+    """Runtimes of this process that are open right now."""
+    with _LIVE_LOCK:
+        return list(_LIVE)
+
+
+def hold(runtime: Runtime) -> None:
+    """Keep ``runtime`` for the exit backstop until :func:`release`."""
+    with _LIVE_LOCK:
+        _LIVE.add(runtime)
+    _register_backstop_last()
+
+
+def release(runtime: Runtime) -> None:
+    with _LIVE_LOCK:
+        _LIVE.discard(runtime)
+
+
+def _close_leftovers() -> None:
+    for runtime in live_runtimes():
+        try:
+            runtime._close_at_exit()
+        except Exception:
+            log.warning("atexit: could not close %s", runtime.describe(), exc_info=True)
+
+
+def _register_backstop_last() -> None:
+    """atexit runs the last-registered handler first. Backend SDKs imported lazily (in
+    ``_start``) register handlers that tear down their own clients; re-registering after
+    each start keeps the backstop ahead of them, while their clients still work."""
+    atexit.unregister(_close_leftovers)
+    atexit.register(_close_leftovers)
+
+
+atexit.register(_close_leftovers)

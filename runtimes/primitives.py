@@ -1,0 +1,312 @@
+"""How a runtime's calls reach its sandbox: the backend's primitives, and the routing
+through the channel in front of them.
+
+:class:`Primitives` is the half of :class:`~runtimes.base.Runtime` a backend fills in. The
+``_``-prefixed primitives (``_exec``, ``_read``, ``_write``, ``_exists``, ``_remove``,
+``_upload``, ``_download``) are the *plain* paths, which work without the channel. The
+``_routed_*`` methods put the channel in front of them when the backend has one
+(:meth:`Primitives._channel_hooks`): the supervisor (:mod:`runtimes.channel`) serves the call,
+restarts the agent, probes a silent sandbox, and hands an idempotent call (or one it never
+sent) to the plain path when the channel dies. Kills that could not be delivered are owed
+(:meth:`Primitives._remember_orphan`) and paid before the next command.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import anyio
+
+from ._local_files import shell_error, tar_directory, untar_into, write_local_file
+from .channel import ChannelHooks, ChannelInfo, ChannelSupervisor
+from .config import RuntimeConfig
+from .errors import (
+    HostRouteError,
+    OutputLimitExceededError,
+    SandboxError,
+    SandboxFileNotFoundError,
+)
+from .models import ExecRequest, OutputSink
+from .sweep import MARK_VAR, ORPHAN_KILL_SCRIPT
+
+log = logging.getLogger("runtimes")
+
+__all__ = ["Primitives"]
+
+_NO_CHANNEL = ChannelInfo(
+    state="disabled", agent_pid=None, python=None, restarts=0, served=0, fallbacks=0, reason=None
+)
+
+
+class Primitives(abc.ABC):
+    """The backend's primitives and the routing in front of them (see the module)."""
+
+    config: RuntimeConfig
+    _mark: str
+    _workdir: str | None
+    _orphans: set[int]
+    _channel: ChannelSupervisor | None
+    _channel_built: bool
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """A short human name for messages."""
+
+    # ------------------------------------------------------------------ the channel
+
+    @property
+    def channel_info(self) -> ChannelInfo:
+        """The state of the persistent channel (``docs/channel.md``); ``disabled`` for a
+        runtime without one."""
+        channel = self._supervisor
+        return _NO_CHANNEL if channel is None else channel.info
+
+    @property
+    def _supervisor(self) -> ChannelSupervisor | None:
+        """The channel's supervisor, built on first use from :meth:`_channel_hooks`."""
+        if not self._channel_built:
+            self._channel_built = True
+            hooks = self._channel_hooks()
+            if hooks is not None:
+                self._channel = ChannelSupervisor(
+                    self._channel_wanted(),
+                    self.describe,
+                    hooks,
+                    stall_timeout=self._channel_stall_timeout(),
+                )
+        return self._channel
+
+    def _require_channel(self) -> ChannelSupervisor:
+        channel = self._supervisor
+        if channel is None:
+            raise HostRouteError(f"{self.describe()} has no channel", via="channel")
+        return channel
+
+    def _channel_hooks(self) -> ChannelHooks | None:
+        """What the channel needs from this backend (``None``: the backend has no channel)."""
+        return None
+
+    def _channel_wanted(self) -> bool:
+        """Whether the config asks for the channel."""
+        return bool(getattr(self.config, "channel", False))
+
+    def _channel_stall_timeout(self) -> float | None:
+        """How long a channel may stay silent under a request before the sandbox is probed."""
+        return None
+
+    def _channel_env(self, request: ExecRequest) -> Mapping[str, str]:
+        """Variables the agent adds to a command's environment (the plain path's wrapper
+        adds them itself)."""
+        return {}
+
+    def _channel_agent_pid(self) -> int | None:
+        """The agent's pid in the sandbox (sweeps spare its session), if it runs."""
+        channel = self._supervisor
+        return None if channel is None else channel.info.agent_pid
+
+    async def _start_channel(self) -> None:
+        """Start the agent; a backend calls this inside ``_start`` where it fits. Never
+        raises: a sandbox without a channel still works through the plain path."""
+        channel = self._supervisor
+        if channel is not None:
+            await channel.start()
+
+    async def _close_channel(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    def _close_channel_now(self) -> None:
+        """Blocking close of the channel, for :meth:`_close_at_exit`."""
+        if self._channel is not None:
+            self._channel.close_now()
+
+    async def _routed_exec(self, request: ExecRequest, sink: OutputSink) -> int:
+        """Every command: the kills still owed first, then the channel, else ``_exec``."""
+        if self._orphans:
+            await self._kill_orphans()
+        channel = self._supervisor
+        if channel is None:
+            return await self._exec(request, sink)
+        return await channel.exec(
+            request, sink, lambda: self._exec(request, sink), self._channel_env(request)
+        )
+
+    async def _routed_read(self, path: str, limit: int) -> bytes:
+        channel = self._supervisor
+        if channel is None:
+            return await self._read(path, limit)
+        return await channel.read(path, limit, lambda: self._read(path, limit))
+
+    async def _routed_write(self, path: str, data: bytes) -> None:
+        channel = self._supervisor
+        if channel is None:
+            return await self._write(path, data)
+        return await channel.write(path, data, lambda: self._write(path, data))
+
+    async def _routed_exists(self, path: str) -> bool:
+        channel = self._supervisor
+        if channel is None:
+            return await self._exists(path)
+        return await channel.exists(path, lambda: self._exists(path))
+
+    async def _routed_remove(self, path: str) -> None:
+        channel = self._supervisor
+        if channel is None:
+            return await self._remove(path)
+        return await channel.remove(path, lambda: self._remove(path))
+
+    # ------------------------------------------------------------------ orphaned kills
+
+    def _remember_orphan(self, pgid: int) -> None:
+        """A process group whose kill could not be delivered: retried before the next
+        command, and before a borrowed sandbox is let go."""
+        self._orphans.add(pgid)
+
+    async def _kill_orphans(self) -> None:
+        """Retry the kills still owed; those that fail again stay owed (logged)."""
+        orphans, self._orphans = frozenset(self._orphans), set()
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._kill_orphan_groups(orphans)
+        except SandboxError as exc:
+            self._orphans |= orphans
+            log.warning(
+                "%s: could not kill process groups %s: %s", self.describe(), sorted(orphans), exc
+            )
+
+    async def _kill_orphan_groups(self, pgids: frozenset[int]) -> None:
+        """Kill these process groups if their leader still carries this runtime's mark
+        (a restarted sandbox reuses pids), through the plain path.
+
+        Raises:
+            SandboxError: the kill could not be delivered.
+        """
+        mark = f"{MARK_VAR}={self._mark}"
+        request, sink = self._internal(
+            ["sh", "-c", ORPHAN_KILL_SCRIPT, "sh", mark, *map(str, sorted(pgids))]
+        )
+        await self._exec(request, sink)
+
+    def _keeps_sandbox(self) -> bool:
+        """Whether the sandbox outlives this runtime (attached to, borrowed), so what the
+        runtime's commands left must be killed before it is let go."""
+        return False
+
+    # ------------------------------------------------------------------ backend primitives
+
+    def _live_cap(self) -> int | None:
+        """The ``max_live`` slot this runtime takes before creating its sandbox (``None``:
+        none, e.g. a sandbox it only attaches to)."""
+        return None
+
+    async def _before_start(self) -> None:
+        """Awaited by :meth:`start` outside the shield (cancellable), with the live slot
+        held, before ``_start``: pacing, or a creation the backend can cancel itself."""
+        return None
+
+    @abc.abstractmethod
+    async def _start(self) -> str:
+        """Create or attach to the sandbox; return its absolute workdir.
+
+        Runs shielded. Keep a handle on what was created before any further await, so
+        that ``_close`` can remove it if readiness then fails.
+        """
+
+    @abc.abstractmethod
+    async def _close(self) -> None:
+        """Destroy (or release) the sandbox. Must cope with a half-finished ``_start``."""
+
+    @abc.abstractmethod
+    async def _alive(self) -> bool:
+        """Liveness probe: ``False`` for a dead sandbox, never an exception for it."""
+
+    @abc.abstractmethod
+    async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
+        """Run the command, feeding output to ``sink``; return the exit code (128+N on signal).
+
+        When cancelled (timeout, output cap, or the caller), kill the whole process tree
+        inside the sandbox, shielded, then let the cancellation propagate.
+        """
+
+    @abc.abstractmethod
+    async def _read(self, path: str, limit: int) -> bytes:
+        """Read a file. May return more than ``limit`` bytes (the caller raises), or raise
+        ``OutputLimitExceededError`` itself without transferring the content."""
+
+    @abc.abstractmethod
+    async def _write(self, path: str, data: bytes) -> None:
+        """Write a file, creating parents."""
+
+    async def _exists(self, path: str) -> bool:
+        request, sink = self._internal(["sh", "-c", 'test -e "$1" || test -L "$1"', "sh", path])
+        return await self._routed_exec(request, sink) == 0
+
+    async def _remove(self, path: str) -> None:
+        request, sink = self._internal(["rm", "-rf", "--", path])
+        if await self._routed_exec(request, sink) != 0:
+            raise shell_error(path, sink)
+
+    async def _upload(self, source: Path, remote: str) -> None:
+        if await anyio.Path(source).is_file():
+            await self._write(remote, await anyio.Path(source).read_bytes())
+            return
+        archive = await anyio.to_thread.run_sync(tar_directory, source)
+        request, sink = self._internal(
+            ["sh", "-c", 'mkdir -p -- "$1" && tar -x -f - -C "$1"', "sh", remote], stdin=archive
+        )
+        if await self._routed_exec(request, sink) != 0:
+            raise shell_error(remote, sink)
+
+    async def _download(self, remote: str, local: Path, *, skip_unsafe: bool = False) -> None:
+        """Copy ``remote`` to ``local``; a directory goes through
+        :func:`~runtimes._local_files.untar_into`, which treats the archive as hostile
+        (``skip_unsafe``: leave unsafe members out)."""
+        request, sink = self._internal(
+            [
+                "sh",
+                "-c",
+                'if [ -d "$1" ]; then exit 3; elif [ -e "$1" ]; then exit 4; else exit 2; fi',
+                "sh",
+                remote,
+            ]
+        )
+        kind = await self._routed_exec(request, sink)
+        if kind == 2:
+            raise SandboxFileNotFoundError(remote)
+        if kind == 4:
+            data = await self._read(remote, self.config.read_limit)
+            await anyio.to_thread.run_sync(write_local_file, local, data)
+            return
+        request, sink = self._internal(
+            ["tar", "-c", "-f", "-", "-C", remote, "."], limit=self.config.read_limit
+        )
+        code = await self._routed_exec(request, sink)
+        if sink.overflowed:
+            raise OutputLimitExceededError(
+                f"download of {remote!r}", self.config.read_limit, path=remote
+            )
+        if code != 0:
+            raise shell_error(remote, sink)
+        await anyio.to_thread.run_sync(
+            lambda: untar_into(bytes(sink.stdout), local, skip_unsafe=skip_unsafe)
+        )
+
+    def _internal(
+        self, argv: list[str], *, stdin: bytes | None = None, limit: int = 1 << 20
+    ) -> tuple[ExecRequest, OutputSink]:
+        """An exec request for the runtime's own bookkeeping commands."""
+        return (
+            ExecRequest(
+                argv=tuple(argv),
+                cwd=self._workdir or "/",
+                env={},
+                stdin=stdin,
+                user=None,
+                timeout=None,
+                output_limit=limit,
+            ),
+            OutputSink(limit),
+        )

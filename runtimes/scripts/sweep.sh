@@ -1,0 +1,82 @@
+# Freeze, then kill: every matching process is sent SIGSTOP (which cannot be caught) until a
+# whole pass over /proc finds none still running and no process it had not seen before, so a
+# fork loop cannot outrun the sweep; then all of them get SIGKILL. Arguments: the mode, the
+# mark (NAME=value), a pid whose session is spared (the channel agent, or ""), a user all of
+# whose processes are the policy's ("").
+# Modes: ``all``, every process outside session 1 (a container of ours: its keep-alive is
+# session 1); ``since:T``, every process started at or after clock tick T (a sandbox of ours
+# whose own processes predate T); ``mark``, processes carrying the mark in their environment
+# or owned by the user, or whose working directory is $5 (the sandbox's own). The sweep's
+# own session and its ancestors are always spared.
+mode=$1 mark=$2 keep=$3 user=$4 home=$5
+since=""; case $mode in since:*) since=${mode#since:} ;; esac
+sid_of() {
+  { read -r __s < "/proc/$1/stat"; } 2>/dev/null || return 1
+  set -f; set -- ${__s##*) }; set +f; echo "$4"
+}
+ancestors() {
+  __p=$1
+  while [ -n "$__p" ] && [ "$__p" -gt 1 ] 2>/dev/null; do
+    echo "$__p"
+    { read -r __s < "/proc/$__p/stat"; } 2>/dev/null || return 0
+    set -f; set -- ${__s##*) }; set +f; __p=$2
+  done
+}
+mine=$(sid_of $$)
+spare=""; [ -n "$keep" ] && spare=$(sid_of "$keep")
+kept=" $(ancestors $$ | tr '\n' ' ') "
+[ -n "$keep" ] && kept="$kept$(ancestors "$keep" | tr '\n' ' ') "
+uid=""; if [ -n "$user" ]; then uid=$(id -u -- "$user" 2>/dev/null) || uid=""; fi
+[ "$uid" = "$(id -u)" ] && uid=""
+# look PID NEW: freeze PID if it matches; NEW=1 for a pid the pass before did not list.
+look() {
+  case $kept in *" $1 "*) return ;; esac
+  if ! { read -r s < "/proc/$1/stat"; } 2>/dev/null; then unsure=$((unsure | $2)); return; fi
+  set -f; set -- "$1" "$2" ${s##*) }; set +f
+  state=$3 sid=$6 started=${22}
+  case $state in Z|X|x) unsure=$((unsure | $2)); return ;; esac
+  case $other in *" $1:$started "*) return ;; esac
+  hit=1
+  if [ "$sid" = "$mine" ] || { [ -n "$spare" ] && [ "$sid" = "$spare" ]; }; then hit=0
+  elif [ "$mode" = all ]; then
+    [ "$sid" = 1 ] && hit=0
+  elif [ -n "$since" ]; then
+    [ "$started" -ge "$since" ] || hit=0
+  else
+    hit=0
+    if [ -n "$uid" ]; then
+      while read -r k v r; do
+        [ "$k" = Uid: ] && { [ "$v" = "$uid" ] && hit=1; break; }
+      done 2>/dev/null < "/proc/$1/status"
+    fi
+    if [ "$hit" = 1 ]; then :
+    elif [ -n "$home" ] && [ "/proc/$1/cwd" -ef "$home" ]; then hit=1
+    elif tr '\0' '\n' 2>/dev/null < "/proc/$1/environ" | grep -qxF -- "$mark"; then hit=1; fi
+  fi
+  if [ "$hit" = 0 ]; then other="$other$1:$started "; return; fi
+  case $seen in *" $1 "*) ;; *) seen="$seen$1 " ;; esac
+  case $state in T|t) ;; *) kill -STOP "$1" 2>/dev/null && running=$((running + 1)) ;; esac
+}
+seen=" " other=" " listed=" " pass=0 quiet=0
+while [ "$pass" -lt 500 ]; do
+  pass=$((pass + 1)); running=0 unsure=0 before=$listed listed=" " new="" old=""
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    listed="$listed$p "
+    case $before in *" $p "*) old="$old $p" ;; *) new="$new $p" ;; esac
+  done
+  # New processes first: a fork loop's live member is among them, and about to exit.
+  for p in $new; do look "$p" 1; done
+  for p in $old; do look "$p" 0; done
+  # In a sandbox of our own (all, since): done once a pass froze nothing and read every
+  # process new since the pass before: one that forked and exited in between (unreadable, or
+  # a zombie) may have left a child only the next pass lists. Beside a host's other
+  # processes (mark), which come and go all the time: three passes in a row that froze
+  # nothing. Processes found not to match are not read again.
+  if [ "$running" -eq 0 ]; then quiet=$((quiet + 1)); else quiet=0; fi
+  if [ "$mode" = mark ]; then [ "$quiet" -ge 3 ] && break
+  else [ "$running" -eq 0 ] && [ "$unsure" -eq 0 ] && [ "$pass" -gt 1 ] && break; fi
+done
+total=0
+for p in $seen; do kill -KILL "$p" 2>/dev/null && total=$((total + 1)); done
+echo "$total"
