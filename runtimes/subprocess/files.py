@@ -1,0 +1,233 @@
+"""File operations on the host's filesystem that never follow a symlink they were not asked to."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from ..errors import (
+    SandboxError,
+    SandboxFileNotFoundError,
+    SandboxInvalidArgumentError,
+    SandboxIsADirectoryError,
+    error_for_errno,
+)
+
+log = logging.getLogger("runtimes.subprocess")
+
+
+def _open_regular(path: str, flags: int) -> int:
+    """Open a file without blocking on a FIFO or a socket (a read or write of one would
+    wait for a peer for ever, in a thread nobody can cancel); those are refused."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
+            raise SandboxInvalidArgumentError(
+                f"{path!r} is a FIFO or a socket, not a file"
+            ) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode):
+        os.close(fd)
+        raise SandboxIsADirectoryError(path)
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        os.close(fd)
+        raise SandboxInvalidArgumentError(f"{path!r} is a FIFO or a socket, not a file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _read_file(path: str, limit: int) -> bytes:
+    from ..errors import OutputLimitExceededError
+
+    try:
+        with os.fdopen(_open_regular(path, os.O_RDONLY), "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size > limit:
+                raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
+            return fh.read(limit + 1)
+    except OSError as exc:
+        if isinstance(exc, SandboxError):
+            raise
+        raise error_for_errno(exc.errno, path, None) from None
+
+
+def _write_file(path: str, data: bytes) -> None:
+    try:
+        if os.path.isdir(path):
+            raise SandboxIsADirectoryError(path)
+        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+        with os.fdopen(_open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as fh:
+            fh.write(data)
+    except FileExistsError as exc:  # a parent exists as a file: makedirs says EEXIST
+        raise error_for_errno(
+            errno.ENOTDIR, path, f"parent is not a directory: {exc.filename}"
+        ) from None
+    except OSError as exc:
+        if isinstance(exc, SandboxError):
+            raise
+        raise error_for_errno(exc.errno, path, None) from None
+
+
+def _remove_path(path: str) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except OSError as exc:
+        raise error_for_errno(exc.errno, path, None) from None
+
+
+def _copy_tree(source: Path, target: Path, shown: str) -> None:
+    try:
+        if source.is_dir():
+            shutil.copytree(source, target, dirs_exist_ok=True, symlinks=True)
+        else:
+            if target.is_dir():
+                raise SandboxIsADirectoryError(shown)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    except FileExistsError:
+        raise error_for_errno(errno.ENOTDIR, shown, "a parent is not a directory") from None
+    except OSError as exc:
+        if isinstance(exc, SandboxError):
+            raise
+        raise error_for_errno(exc.errno, shown, None) from None
+
+
+def _download_tree(remote: str, local: Path, limit: int) -> None:
+    if not os.path.lexists(remote):
+        raise SandboxFileNotFoundError(remote)
+    try:
+        if os.path.isdir(remote):
+            shutil.copytree(remote, local, dirs_exist_ok=True, symlinks=True)
+        else:
+            data = _read_file(remote, limit)
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(data)
+    except OSError as exc:
+        if isinstance(exc, SandboxError):
+            raise
+        raise error_for_errno(exc.errno, remote, None) from None
+
+
+# ---------------------------------------------------------------------- removal
+
+
+def _remove_sandbox_dir(directory: Path, identity: tuple[int, int] | None) -> None:
+    """Remove the sandbox's directory, never following a symbolic link. Never raises.
+
+    Every directory is pinned by an ``O_PATH|O_NOFOLLOW|O_DIRECTORY`` descriptor before it
+    is touched, made searchable and writable through that descriptor (``chmod`` of
+    ``/proc/self/fd/N`` acts on the pinned inode, never on what a name points to), then
+    emptied relative to its own descriptor; links and files are unlinked, never opened or
+    chmodded; no mount point is crossed. ``identity`` ((st_dev, st_ino) at creation) must
+    match, else the entry at that name is not the sandbox's and is left alone. A symbolic
+    link planted at the sandbox's own name is unlinked.
+    """
+    errors: list[str] = []
+    try:
+        parent_fd = os.open(directory.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            log.warning("cannot remove %s: %s", directory, exc)
+        return
+    try:
+        name = directory.name
+        try:
+            st = os.lstat(name, dir_fd=parent_fd)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            if stat.S_ISLNK(st.st_mode) or identity is None:
+                _unlink_at(parent_fd, name, str(directory), errors)
+        elif identity is not None and (st.st_dev, st.st_ino) != identity:
+            errors.append(f"{directory}: not the sandbox's directory any more, left alone")
+        else:
+            _remove_tree_at(parent_fd, name, str(directory), errors)
+    finally:
+        os.close(parent_fd)
+    if errors:
+        log.warning("could not remove all of %s: %s", directory, "; ".join(errors[:10]))
+
+
+def _unlink_at(
+    dir_fd: int, name: str, shown: str, errors: list[str], *, directory: bool = False
+) -> None:
+    """Unlink ``name`` of ``dir_fd`` (an empty directory with ``directory``); gone already
+    is fine, any other failure is noted in ``errors``."""
+    try:
+        (os.rmdir if directory else os.unlink)(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        errors.append(f"{shown}: {exc.strerror}")
+
+
+def _open_dir_at(parent_fd: int, name: str) -> int:
+    """A readable descriptor of the real directory ``name`` (never a link), made u+rwx."""
+    pinned = os.open(
+        name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd
+    )
+    try:
+        via = f"/proc/self/fd/{pinned}"
+        if stat.S_IMODE(os.fstat(pinned).st_mode) & 0o700 != 0o700:
+            os.chmod(via, 0o700)  # the pinned inode: /proc's fd links are not path lookups
+        return os.open(via, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    finally:
+        os.close(pinned)
+
+
+def _remove_tree_at(parent_fd: int, name: str, shown: str, errors: list[str]) -> None:
+    """Remove directory ``name`` of ``parent_fd`` and everything in it (iteratively, so a
+    deep tree does not exhaust the interpreter's stack)."""
+    try:
+        top = _open_dir_at(parent_fd, name)
+    except OSError as exc:
+        errors.append(f"{shown}: {exc.strerror}")
+        return
+    device = os.fstat(top).st_dev
+    # Frames: (descriptor, name in the parent, display path, entries not yet removed).
+    stack: list[tuple[int, str, str, list[str]]] = [(top, name, shown, _entries(top))]
+    while stack:
+        fd, own_name, own_shown, pending = stack[-1]
+        if not pending:
+            stack.pop()
+            os.close(fd)
+            parent = stack[-1][0] if stack else parent_fd
+            _unlink_at(parent, own_name, own_shown, errors, directory=True)
+            continue
+        entry = pending.pop()
+        entry_shown = f"{own_shown}/{entry}"
+        try:
+            st = os.lstat(entry, dir_fd=fd)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            errors.append(f"{entry_shown}: {exc.strerror}")
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            _unlink_at(fd, entry, entry_shown, errors)
+        elif st.st_dev != device:
+            errors.append(f"{entry_shown}: a mount point, not crossed")
+        else:
+            try:
+                child = _open_dir_at(fd, entry)
+            except OSError as exc:  # ELOOP/ENOTDIR: replaced by a link meanwhile
+                errors.append(f"{entry_shown}: {exc.strerror}")
+                continue
+            stack.append((child, entry, entry_shown, _entries(child)))
+
+
+def _entries(fd: int) -> list[str]:
+    with os.scandir(fd) as it:
+        return [entry.name for entry in it]
+
+
+# ---------------------------------------------------------------------- process sweep

@@ -1,0 +1,190 @@
+"""Running one command as a local process group: output pumping, exit, kill, spawn errors."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import select
+import signal
+import subprocess
+from typing import IO
+
+import anyio
+import anyio.abc
+
+from ..errors import (
+    SandboxError,
+    SandboxInvalidArgumentError,
+    error_for_errno,
+)
+from ..models import ExecRequest, OutputSink, Stream
+from .config import _READ_CHUNK
+
+
+class _ExitWatch:
+    """Waits for a child's exit: readiness of a pidfd (Linux >= 5.3), else a worker thread."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self._process = process
+        self.pidfd: int | None = None
+
+    async def wait(self) -> int:
+        process = self._process
+        if (code := process.poll()) is not None:
+            return code
+        if self.pidfd is None:
+            with contextlib.suppress(AttributeError, OSError):
+                self.pidfd = os.pidfd_open(process.pid)
+        if self.pidfd is None:
+            return await anyio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+        while (code := process.poll()) is None:
+            await anyio.wait_readable(self.pidfd)
+        return code
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+_EPOLL = hasattr(select, "epoll")
+_EXIT_SPINS = 64
+"""Polls of the exit status after the pipes closed before waiting on the event loop: the
+kernel reports the exit microseconds after it closed the pipes."""
+
+
+class _EpollPump:
+    """Feeds stdin, drains stdout and stderr and waits for the exit in ONE task (Linux).
+
+    The pipes (non-blocking) share an epoll instance, and the event loop watches that
+    instance's own fd: one registration per wait instead of one per pipe, and no task
+    group. Output over the sink's cap stops the reading and kills the group. Once the pipes
+    closed, the exit is polled for a few microseconds before the pidfd is waited for.
+    """
+
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        stdin: bytes | None,
+        sink: OutputSink,
+        exit_watch: _ExitWatch,
+    ) -> None:
+        assert process.stdout is not None and process.stderr is not None
+        self._process = process
+        self._sink = sink
+        self._exit_watch = exit_watch
+        self._epoll = select.epoll()
+        self._outputs: dict[int, Stream] = {}
+        for pipe, name in ((process.stdout, "stdout"), (process.stderr, "stderr")):
+            self._watch(pipe.fileno(), select.EPOLLIN)
+            self._outputs[pipe.fileno()] = name  # type: ignore[assignment]
+        self._pending = memoryview(stdin or b"")
+        self._stdin_fd: int | None = None
+        if process.stdin is not None:
+            self._stdin_fd = process.stdin.fileno()
+            self._watch(self._stdin_fd, select.EPOLLOUT)
+
+    def _watch(self, fd: int, events: int) -> None:
+        os.set_blocking(fd, False)
+        self._epoll.register(fd, events)
+
+    async def run(self) -> int:
+        try:
+            while self._outputs or self._stdin_fd is not None:
+                await self._step()
+        finally:
+            self._epoll.close()
+        for _ in range(_EXIT_SPINS):
+            if (code := self._process.poll()) is not None:
+                return code
+            os.sched_yield()
+        return await self._exit_watch.wait()
+
+    async def _step(self) -> None:
+        events = self._epoll.poll(0)
+        if not events:
+            await anyio.wait_readable(self._epoll.fileno())
+            return
+        for fd, _ in events:
+            if fd == self._stdin_fd:
+                self._feed()
+            elif fd in self._outputs:
+                self._read(fd)
+
+    def _read(self, fd: int) -> None:
+        try:
+            data = os.read(fd, _READ_CHUNK)
+        except BlockingIOError:
+            return
+        if not data:
+            self._epoll.unregister(fd)
+            del self._outputs[fd]
+        elif not self._sink.feed(self._outputs[fd], data):
+            for watched in self._outputs:
+                self._epoll.unregister(watched)
+            self._outputs.clear()
+            _kill_group(self._process.pid)
+
+    def _feed(self) -> None:
+        assert self._stdin_fd is not None and self._process.stdin is not None
+        try:
+            written = os.write(self._stdin_fd, self._pending[:_READ_CHUNK])
+            self._pending = self._pending[written:]
+        except BlockingIOError:
+            return
+        except OSError:  # EPIPE: the process exited or closed its stdin without reading it all
+            self._pending = memoryview(b"")
+        if not self._pending:
+            self._epoll.unregister(self._stdin_fd)
+            self._stdin_fd = None
+            with contextlib.suppress(OSError):
+                self._process.stdin.close()
+
+
+async def _feed_stdin(pipe: IO[bytes], data: bytes | None) -> None:
+    fd = pipe.fileno()
+    os.set_blocking(fd, False)
+    view = memoryview(data or b"")
+    try:
+        while view:
+            try:
+                view = view[os.write(fd, view[:_READ_CHUNK]) :]
+            except BlockingIOError:
+                await anyio.wait_writable(fd)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the process exited or closed its stdin without reading everything
+    finally:
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+
+async def _drain(fd: int, sink: OutputSink, name: Stream) -> None:
+    os.set_blocking(fd, False)
+    while True:
+        try:
+            data = os.read(fd, _READ_CHUNK)
+        except BlockingIOError:
+            await anyio.wait_readable(fd)
+            continue
+        if not data or not sink.feed(name, data):
+            return
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _spawn_error(exc: OSError, request: ExecRequest) -> SandboxError:
+    if exc.errno == errno.E2BIG:
+        size = sum(len(a.encode()) + 1 for a in request.argv)
+        return SandboxInvalidArgumentError(
+            f"argument list too long for the kernel ({size} bytes); "
+            "pass large data through stdin or a file"
+        )
+    filename = exc.filename if isinstance(exc.filename, str) else request.argv[0]
+    return error_for_errno(exc.errno, filename, exc.strerror)
+
+
+# ---------------------------------------------------------------------- file helpers

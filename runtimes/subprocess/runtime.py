@@ -1,0 +1,290 @@
+"""The subprocess runtime itself (see :mod:`runtimes.subprocess`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pwd
+import subprocess
+import tempfile
+from pathlib import Path
+
+import anyio
+import anyio.abc
+
+from .. import ownership
+from ..base import Runtime
+from ..config import RuntimeConfig
+from ..errors import (
+    SandboxError,
+    SandboxInvalidArgumentError,
+    SandboxPermissionError,
+    error_for_errno,
+)
+from ..models import ExecRequest, OutputSink, SandboxInfo
+from ..routes import HostRoute, RouteKind
+from .config import _META, SubprocessConfig, default_root
+from .files import (
+    _copy_tree,
+    _download_tree,
+    _read_file,
+    _remove_path,
+    _remove_sandbox_dir,
+    _write_file,
+)
+from .process import _EPOLL, _drain, _EpollPump, _ExitWatch, _feed_stdin, _kill_group, _spawn_error
+from .sweep import (
+    _SINCE_MARGIN_TICKS,
+    _boot_ticks,
+    _destroy_dir,
+    _real_dirs,
+    _scan_root,
+    _start_ticks,
+    _sweep,
+    _Target,
+)
+
+log = logging.getLogger("runtimes.subprocess")
+
+
+class SubprocessRuntime(Runtime):
+    """A private directory on the host plus process-group discipline. Not isolation."""
+
+    name = "subprocess"
+    config_model = SubprocessConfig
+
+    def __init__(self, config: RuntimeConfig):
+        super().__init__(config)
+        self.config: SubprocessConfig
+        self._dir: Path | None = None
+        self._owns_workdir = True
+        self._sessions: dict[int, int] = {}  # session id (its leader's pid) -> leader start
+        self._target: _Target | None = None
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of self._dir
+
+    @property
+    def sandbox_id(self) -> str | None:
+        return self._dir.name if self._dir else None
+
+    async def _start(self) -> str:
+        return await anyio.to_thread.run_sync(self._make_dirs)
+
+    def _make_dirs(self) -> str:
+        root = Path(self.config.root or default_root())
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            since = _boot_ticks() - _SINCE_MARGIN_TICKS
+            self._dir = Path(tempfile.mkdtemp(prefix="sbx-", dir=root))
+            st = os.lstat(self._dir)
+            self._identity = (st.st_dev, st.st_ino)
+            meta: dict[str, object] = {
+                "labels": ownership.session_labels(self.name, self.config.labels),
+                "mark": self._mark,
+                "since": since,
+            }
+            if self.config.workdir:
+                self._owns_workdir = False
+                workdir = Path(self.config.workdir).absolute()
+                workdir.mkdir(parents=True, exist_ok=True)
+                meta["workdir"] = str(workdir)
+            else:
+                workdir = self._dir / "work"
+                workdir.mkdir()
+            self._target = _Target(
+                mark=self._mark,
+                dirs=_real_dirs(self._dir, workdir),
+                sessions=self._sessions,
+                since=since,
+            )
+            (self._dir / _META).write_text(json.dumps(meta))
+        except OSError as exc:
+            from ..errors import ProvisioningError
+
+            raise ProvisioningError(
+                f"cannot create a sandbox directory under {root}: {exc}"
+            ) from exc
+        return str(workdir)
+
+    async def _close(self) -> None:
+        await anyio.to_thread.run_sync(self._teardown)
+
+    def _close_at_exit(self) -> None:
+        self._teardown()
+        self._mark_closed()
+
+    def _teardown(self) -> None:
+        """Kill every process of the sandbox (freeze-then-kill), then remove its directory
+        without following a link. Never raises: what could not be done is logged."""
+        if self._target is not None:
+            try:
+                _killed, survivors = _sweep(self._target)
+            except OSError as exc:  # /proc unreadable: fall back to the groups we started
+                log.warning("%s: process sweep failed: %s", self.describe(), exc)
+                survivors = []
+                for pgid in list(self._sessions):
+                    _kill_group(pgid)
+            if survivors:
+                log.warning(
+                    "%s: processes still running after close(): %s", self.describe(), survivors
+                )
+            self._sessions.clear()
+        if self._dir is not None:
+            _remove_sandbox_dir(self._dir, self._identity)
+
+    def _host_routes(self) -> tuple[RouteKind, ...]:
+        return ("loopback",)  # the host's own network namespace
+
+    async def _expose_host(self, port: int, via: RouteKind) -> HostRoute:
+        return HostRoute("loopback", "127.0.0.1", port)
+
+    async def _alive(self) -> bool:
+        return self._workdir is not None and await anyio.Path(self._workdir).is_dir()
+
+    # ------------------------------------------------------------------ exec
+
+    def _base_env(self, request: ExecRequest, home: str) -> dict[str, str]:
+        if self.config.inherit_env:
+            env = dict(os.environ)
+        else:
+            env = {
+                "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+                "LANG": os.environ.get("LANG", "C.UTF-8"),
+                "HOME": home,
+            }
+        env.update(request.env)
+        return env
+
+    def _user_for(self, request: ExecRequest) -> str | None:
+        user = request.user or self.config.user
+        if user is None:
+            return None
+        try:
+            entry = pwd.getpwnam(user) if not user.isdigit() else pwd.getpwuid(int(user))
+        except KeyError:
+            raise SandboxInvalidArgumentError(f"no such user in the sandbox: {user!r}") from None
+        if entry.pw_uid == os.geteuid():
+            return None
+        if os.geteuid() != 0:
+            raise SandboxPermissionError(
+                request.argv[0], f"cannot run as user {user!r}: the host process is not root"
+            )
+        return entry.pw_name
+
+    async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
+        user = self._user_for(request)
+        assert self._workdir is not None
+        # Popen directly (no await until the handle is ours, so no cancellation can lose
+        # the child), its pipes read with the event loop's own fd readiness and its exit
+        # seen through a pidfd: no asyncio transports, no child-watcher thread per command.
+        try:
+            process = subprocess.Popen(  # noqa: ASYNC220 - fork+exec only, as asyncio does
+                list(request.argv),
+                stdin=subprocess.PIPE if request.stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=request.cwd,
+                env=self._base_env(request, self._workdir),
+                start_new_session=True,
+                user=user,
+            )
+        except OSError as exc:
+            raise _spawn_error(exc, request) from None
+        self._sessions[process.pid] = _start_ticks(process.pid)
+        exit_watch = _ExitWatch(process)
+        assert process.stdout is not None and process.stderr is not None
+        try:
+            if _EPOLL:
+                code = await _EpollPump(process, request.stdin, sink, exit_watch).run()
+            else:
+                async with anyio.create_task_group() as tg:
+                    if process.stdin is not None:
+                        tg.start_soon(_feed_stdin, process.stdin, request.stdin)
+                    tg.start_soon(_drain, process.stderr.fileno(), sink, "stderr")
+                    await _drain(process.stdout.fileno(), sink, "stdout")
+                    code = await exit_watch.wait()
+        except BaseException:
+            # Timeout, output cap or caller cancellation: the whole group goes, now.
+            with anyio.CancelScope(shield=True):
+                _kill_group(process.pid)
+                await exit_watch.wait()
+            raise
+        finally:
+            exit_watch.close()
+            for pipe in (process.stdin, process.stdout, process.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+        # Background processes the command left behind keep running until close().
+        return 128 - code if code < 0 else code
+
+    # ------------------------------------------------------------------ files
+
+    async def _read(self, path: str, limit: int) -> bytes:
+        return await anyio.to_thread.run_sync(_read_file, path, limit)
+
+    async def _write(self, path: str, data: bytes) -> None:
+        await anyio.to_thread.run_sync(_write_file, path, data)
+
+    async def _exists(self, path: str) -> bool:
+        try:
+            await anyio.to_thread.run_sync(os.lstat, path)
+        except FileNotFoundError:
+            return False
+        except NotADirectoryError:
+            return False
+        except OSError as exc:
+            raise error_for_errno(exc.errno, path, exc.strerror) from None
+        return True
+
+    async def _remove(self, path: str) -> None:
+        await anyio.to_thread.run_sync(_remove_path, path)
+
+    async def _upload(self, source: Path, remote: str) -> None:
+        await anyio.to_thread.run_sync(_copy_tree, source, Path(remote), remote)
+
+    async def _download(self, remote: str, local: Path, *, skip_unsafe: bool = False) -> None:
+        await anyio.to_thread.run_sync(_download_tree, remote, local, self.config.read_limit)
+
+    async def stop_processes(self) -> int:
+        """Kill every process of this sandbox that is still running; return how many.
+
+        Unlike the base implementation (an environment-mark scan), this freezes before it
+        kills: every process started after the sandbox that carries its environment mark,
+        belongs to a session one of its commands started, or has its cwd, root, executable,
+        an open file or a mapping under the sandbox's directories is SIGSTOPped, the scan
+        repeats until a pass finds nothing new, and then all are SIGKILLed. Processes that
+        ``setsid`` or ``env -i`` and fork loops are caught; see the module's docstring and
+        the README for what still escapes (a process that left every trace behind).
+
+        Raises:
+            SandboxUnavailableError: the sandbox is closed or dead.
+            SandboxError: some process of the sandbox is still running after the sweep
+                (it could not be signalled, or kept appearing until the sweep's deadline).
+        """
+        self._check_open()
+        assert self._target is not None
+        target = self._target
+        with self._guard("stop_processes"):
+            killed, survivors = await anyio.to_thread.run_sync(_sweep, target)
+        if survivors:
+            raise SandboxError(
+                f"{self.describe()}: processes still running after stop_processes(): {survivors}"
+            )
+        return killed
+
+    # ------------------------------------------------------------------ sweeping
+
+    @classmethod
+    async def list_sandboxes(cls, config: RuntimeConfig | None = None) -> list[SandboxInfo]:
+        root = Path(getattr(config, "root", None) or default_root())
+        return await anyio.to_thread.run_sync(_scan_root, root)
+
+    @classmethod
+    async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:
+        root = Path(getattr(config, "root", None) or default_root())
+        await anyio.to_thread.run_sync(_destroy_dir, root / info.id)
+
+
+# ---------------------------------------------------------------------- exec helpers
