@@ -1,0 +1,413 @@
+"""Conformance checks of files and of the lifecycle: round trips, typed errors, exists and
+remove, trees (registered in :data:`runtimes.testing.checks.CHECKS`)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import random
+import tempfile
+from pathlib import Path
+
+import anyio
+
+from ..base import Runtime
+from ..errors import (
+    OutputLimitExceededError,
+    SandboxFileNotFoundError,
+    SandboxInvalidArgumentError,
+    SandboxIsADirectoryError,
+    SandboxNotADirectoryError,
+    SandboxPermissionError,
+    SandboxUnavailableError,
+)
+from ..models import MiB
+from .checks import (
+    CheckSkipped,
+    _assert_names,
+    _is_root,
+    _raises,
+    _scratch,
+    check,
+)
+
+# ---------------------------------------------------------------------- files: round trips
+
+
+@check
+async def check_file_round_trip(rt: Runtime) -> None:
+    """write then read returns the same bytes, and exec sees the file."""
+    path = f"{await _scratch(rt)}/hello.txt"
+    await rt.write(path, b"hello\n")
+    assert await rt.read(path) == b"hello\n"
+    assert (await rt.exec(["cat", path])).stdout_bytes == b"hello\n"
+
+
+@check
+async def check_file_empty(rt: Runtime) -> None:
+    """An empty file round-trips."""
+    path = f"{await _scratch(rt)}/empty"
+    await rt.write(path, b"")
+    assert await rt.read(path) == b""
+    assert (await rt.exec(["wc", "-c", path])).stdout.split()[0] == "0"
+
+
+@check
+async def check_file_binary(rt: Runtime) -> None:
+    """Every byte value, NULs and invalid UTF-8 round-trip."""
+    path = f"{await _scratch(rt)}/binary.bin"
+    data = bytes(range(256)) * 17 + b"\xff\xfe\x00\xc3\x28"
+    await rt.write(path, data)
+    assert await rt.read(path) == data
+    sha = (await rt.exec(["sha256sum", path])).stdout.split()[0]
+    assert sha == hashlib.sha256(data).hexdigest()
+
+
+@check
+async def check_file_text(rt: Runtime) -> None:
+    """write() accepts text and stores it as UTF-8."""
+    path = f"{await _scratch(rt)}/text.txt"
+    await rt.write(path, "ünïcødé ✓\n")
+    assert await rt.read(path) == "ünïcødé ✓\n".encode()
+
+
+@check
+async def check_file_50mib(rt: Runtime) -> None:
+    """A 50 MiB file round-trips both ways, verified by hash inside the sandbox."""
+    path = f"{await _scratch(rt)}/big.bin"
+    data = random.randbytes(50 * MiB)
+    await rt.write(path, data)
+    sha = (await rt.exec(["sha256sum", path], timeout=120)).stdout.split()[0]
+    assert sha == hashlib.sha256(data).hexdigest()
+    back = await rt.read(path)
+    assert len(back) == len(data) and back == data
+
+
+@check
+async def check_file_special_names(rt: Runtime) -> None:
+    """Names with spaces, quotes, newlines, unicode and leading dashes round-trip."""
+    base = await _scratch(rt)
+    names = [
+        "with space",
+        "it's",
+        'say "hi"',
+        "new\nline",
+        "ünïcødé",
+        "-dash",
+        "$dollar",
+        "back\\slash",
+    ]
+    for i, name in enumerate(names):
+        await rt.write(f"{base}/{name}", f"content {i}".encode())
+    for i, name in enumerate(names):
+        assert await rt.read(f"{base}/{name}") == f"content {i}".encode(), name
+        assert await rt.exists(f"{base}/{name}"), name
+    listing = await rt.exec(
+        ["sh", "-c", 'cd "$1" && for f in *; do printf "%s\\0" "$f"; done', "sh", base]
+    )
+    assert sorted(listing.stdout_bytes.decode().split("\0")[:-1]) == sorted(names), listing
+
+
+@check
+async def check_write_creates_parents(rt: Runtime) -> None:
+    """write() creates missing parent directories."""
+    path = f"{await _scratch(rt)}/a/b/c/d.json"
+    await rt.write(path, b"{}")
+    assert await rt.read(path) == b"{}"
+
+
+@check
+async def check_write_overwrites(rt: Runtime) -> None:
+    """write() replaces old content entirely, a longer old file included."""
+    path = f"{await _scratch(rt)}/over"
+    await rt.write(path, b"a much longer original content")
+    await rt.write(path, b"short")
+    assert await rt.read(path) == b"short"
+
+
+@check
+async def check_write_keeps_file_and_leaves_nothing_beside(rt: Runtime) -> None:
+    """Overwriting keeps the file's mode, writes through a symlink (the link stays a link)
+    and leaves no temporary file next to the target."""
+    base = await _scratch(rt)
+    await rt.write(f"{base}/tool.sh", b"#!/bin/sh\necho old\n")
+    await rt.exec(["chmod", "750", f"{base}/tool.sh"])
+    await rt.exec(["ln", "-s", "tool.sh", f"{base}/link"])
+    await rt.write(f"{base}/link", b"#!/bin/sh\necho new\n")
+    await rt.write(f"{base}/fresh", b"fresh")
+    assert (await rt.exec([f"{base}/tool.sh"])).stdout == "new\n"
+    state = await rt.exec(
+        ["sh", "-c", 'cd "$1" && stat -c "%a" tool.sh && readlink link && ls -A', "sh", base]
+    )
+    assert state.stdout.split("\n")[:-1] == ["750", "tool.sh", "fresh", "link", "tool.sh"], (
+        state.stdout
+    )
+
+
+@check
+async def check_relative_paths(rt: Runtime) -> None:
+    """Relative file paths resolve against the workdir."""
+    name = f"rel-{random.randrange(1 << 30)}/x.txt"
+    await rt.write(name, b"rel")
+    assert await rt.read(f"{rt.workdir}/{name}") == b"rel"
+    assert (await rt.exec(["cat", name])).stdout == "rel"
+    assert await rt.exists(name)
+
+
+@check
+async def check_read_follows_symlink(rt: Runtime) -> None:
+    """read() follows a symlink to its target."""
+    base = await _scratch(rt)
+    await rt.write(f"{base}/target", b"through the link")
+    await rt.exec(["ln", "-s", f"{base}/target", f"{base}/link"])
+    assert await rt.read(f"{base}/link") == b"through the link"
+
+
+# ---------------------------------------------------------------------- files: typed errors
+
+
+@check
+async def check_read_missing(rt: Runtime) -> None:
+    """Reading a missing file is SandboxFileNotFoundError (a FileNotFoundError) naming it."""
+    path = f"{rt.workdir}/missing-{random.randrange(1 << 30)}.txt"
+    exc = await _raises(SandboxFileNotFoundError, rt.read(path))
+    assert isinstance(exc, FileNotFoundError) and not isinstance(exc, SandboxUnavailableError)
+    assert exc.errno == errno.ENOENT and exc.filename == path, (exc.errno, exc.filename)
+    _assert_names(exc, path)
+
+
+@check
+async def check_read_directory(rt: Runtime) -> None:
+    """Reading a directory is SandboxIsADirectoryError naming it."""
+    base = await _scratch(rt)
+    exc = await _raises(SandboxIsADirectoryError, rt.read(base))
+    assert isinstance(exc, IsADirectoryError)
+    _assert_names(exc, base)
+
+
+@check
+async def check_write_to_directory(rt: Runtime) -> None:
+    """Writing over a directory is SandboxIsADirectoryError naming it."""
+    base = await _scratch(rt)
+    exc = await _raises(SandboxIsADirectoryError, rt.write(base, b"x"))
+    _assert_names(exc, base)
+
+
+@check
+async def check_read_under_file(rt: Runtime) -> None:
+    """Reading file/child where file is a regular file is SandboxNotADirectoryError."""
+    base = await _scratch(rt)
+    await rt.write(f"{base}/file", b"x")
+    exc = await _raises(SandboxNotADirectoryError, rt.read(f"{base}/file/child"))
+    assert isinstance(exc, NotADirectoryError)
+    _assert_names(exc, f"{base}/file/child")
+
+
+@check
+async def check_write_under_file(rt: Runtime) -> None:
+    """Writing file/child where file is a regular file is SandboxNotADirectoryError."""
+    base = await _scratch(rt)
+    await rt.write(f"{base}/file", b"x")
+    exc = await _raises(SandboxNotADirectoryError, rt.write(f"{base}/file/child", b"y"))
+    _assert_names(exc, f"{base}/file/child")
+    assert await rt.read(f"{base}/file") == b"x", "the existing file must be untouched"
+
+
+@check
+async def check_unreadable_file(rt: Runtime) -> None:
+    """Reading a file without read permission is SandboxPermissionError (non-root sandboxes)."""
+    if await _is_root(rt):
+        raise CheckSkipped("the sandbox user is root: every file is readable")
+    path = f"{await _scratch(rt)}/secret"
+    await rt.write(path, b"x")
+    await rt.exec(["chmod", "000", path])
+    exc = await _raises(SandboxPermissionError, rt.read(path))
+    assert isinstance(exc, PermissionError)
+    _assert_names(exc, path)
+
+
+@check
+async def check_unwritable_directory(rt: Runtime) -> None:
+    """Writing into a read-only directory is SandboxPermissionError (non-root sandboxes)."""
+    if await _is_root(rt):
+        raise CheckSkipped("the sandbox user is root: every directory is writable")
+    base = await _scratch(rt)
+    await rt.exec(["mkdir", f"{base}/ro"])
+    await rt.exec(["chmod", "555", f"{base}/ro"])
+    exc = await _raises(SandboxPermissionError, rt.write(f"{base}/ro/file", b"x"))
+    _assert_names(exc, f"{base}/ro/file")
+
+
+@check
+async def check_read_limit(rt: Runtime) -> None:
+    """read(max_bytes=) refuses a larger file with OutputLimitExceededError; equal size is fine."""
+    path = f"{await _scratch(rt)}/sized"
+    await rt.write(path, b"x" * 1000)
+    assert await rt.read(path, max_bytes=1000) == b"x" * 1000
+    exc = await _raises(OutputLimitExceededError, rt.read(path, max_bytes=999))
+    assert isinstance(exc, OutputLimitExceededError) and exc.limit == 999
+
+
+@check
+async def check_invalid_paths(rt: Runtime) -> None:
+    """A NUL byte or an empty path is SandboxInvalidArgumentError, for every file call."""
+    for bad in ("a\x00b", ""):
+        await _raises(SandboxInvalidArgumentError, rt.read(bad))
+        await _raises(SandboxInvalidArgumentError, rt.write(bad, b""))
+        await _raises(SandboxInvalidArgumentError, rt.exists(bad))
+
+
+# ---------------------------------------------------------------------- files: exists, remove
+
+
+@check
+async def check_exists(rt: Runtime) -> None:
+    """exists() is True for files, directories and dangling symlinks; False when missing."""
+    base = await _scratch(rt)
+    await rt.write(f"{base}/f", b"")
+    await rt.exec(["ln", "-s", f"{base}/nowhere", f"{base}/dangling"])
+    assert await rt.exists(f"{base}/f")
+    assert await rt.exists(base)
+    assert await rt.exists(f"{base}/dangling")
+    assert not await rt.exists(f"{base}/missing")
+    assert not await rt.exists(f"{base}/missing/deeper")
+    assert not await rt.exists(f"{base}/f/under-a-file")
+
+
+@check
+async def check_remove(rt: Runtime) -> None:
+    """remove() deletes files and whole trees; a missing path is SandboxFileNotFoundError."""
+    base = await _scratch(rt)
+    await rt.write(f"{base}/tree/a/b.txt", b"b")
+    await rt.write(f"{base}/file", b"f")
+    await rt.remove(f"{base}/file")
+    assert not await rt.exists(f"{base}/file")
+    await rt.remove(f"{base}/tree")
+    assert not await rt.exists(f"{base}/tree")
+    exc = await _raises(SandboxFileNotFoundError, rt.remove(f"{base}/tree"))
+    _assert_names(exc, f"{base}/tree")
+    await rt.remove(f"{base}/tree", missing_ok=True)
+
+
+@check
+async def check_remove_symlink_not_target(rt: Runtime) -> None:
+    """remove() of a symlink to a directory removes the link, not the target."""
+    base = await _scratch(rt)
+    await rt.write(f"{base}/real/keep.txt", b"keep")
+    await rt.exec(["ln", "-s", f"{base}/real", f"{base}/link"])
+    await rt.remove(f"{base}/link")
+    assert await rt.read(f"{base}/real/keep.txt") == b"keep"
+
+
+# ---------------------------------------------------------------------- files: trees
+
+
+def _make_local_tree(root: Path) -> dict[str, bytes]:
+    files = {
+        "top.txt": b"top\n",
+        "empty": b"",
+        "nested/deeper/bin.dat": bytes(range(256)) * 8,
+        "nested/with space.txt": b"spaced",
+        "nested/ünï.txt": "ünï".encode(),
+    }
+    for rel, data in files.items():
+        target = root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    (root / "empty-dir").mkdir()
+    return files
+
+
+def _read_local_tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@check
+async def check_upload_download_tree(rt: Runtime) -> None:
+    """upload() then download() of a tree keeps every file, byte for byte, and empty dirs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "src")
+        files = _make_local_tree(src)
+        remote = f"{await _scratch(rt)}/uploaded"
+        await rt.upload(src, remote)
+        for rel, data in files.items():
+            assert await rt.read(f"{remote}/{rel}") == data, rel
+        assert (await rt.exec(["test", "-d", f"{remote}/empty-dir"])).exit_code == 0
+        dst = Path(tmp, "dst")
+        await rt.download(remote, dst)
+        assert _read_local_tree(dst) == files
+        assert (dst / "empty-dir").is_dir()
+
+
+@check
+async def check_upload_download_file(rt: Runtime) -> None:
+    """upload()/download() of a single file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "one.bin")
+        src.write_bytes(b"\x00one\xff")
+        remote = f"{await _scratch(rt)}/dir/one.bin"
+        await rt.upload(src, remote)
+        assert await rt.read(remote) == b"\x00one\xff"
+        dst = Path(tmp, "out", "copy.bin")
+        await rt.download(remote, dst)
+        assert dst.read_bytes() == b"\x00one\xff"
+
+
+@check
+async def check_download_missing(rt: Runtime) -> None:
+    """download() of a missing path is SandboxFileNotFoundError naming it."""
+    missing = f"{rt.workdir}/missing-{random.randrange(1 << 30)}"
+    with tempfile.TemporaryDirectory() as tmp:
+        exc = await _raises(SandboxFileNotFoundError, rt.download(missing, Path(tmp, "x")))
+    _assert_names(exc, missing)
+
+
+@check
+async def check_concurrent_files(rt: Runtime) -> None:
+    """Concurrent writes and reads of different files do not mix."""
+    base = await _scratch(rt)
+    payloads = {i: random.randbytes(random.randint(0, 200_000)) for i in range(16)}
+
+    async def one(i: int) -> None:
+        await rt.write(f"{base}/f{i}", payloads[i])
+        assert await rt.read(f"{base}/f{i}") == payloads[i], i
+
+    async with anyio.create_task_group() as tg:
+        for i in payloads:
+            tg.start_soon(one, i)
+
+
+# ---------------------------------------------------------------------- lifecycle
+
+
+@check
+async def check_workdir_exists(rt: Runtime) -> None:
+    """The workdir is an absolute, existing, writable directory."""
+    assert rt.workdir.startswith("/")
+    result = await rt.exec(["sh", "-c", 'test -d "$1" && test -w "$1"', "sh", rt.workdir])
+    assert result.exit_code == 0, result
+
+
+@check
+async def check_alive_and_closed(rt: Runtime) -> None:
+    """alive() is True while open; after close() every call is SandboxUnavailableError."""
+    assert await rt.alive()
+    await rt.close()
+    assert not await rt.alive()
+    for call in (
+        rt.exec(["true"]),
+        rt.read("/etc/hostname"),
+        rt.write("x", b""),
+        rt.exists("x"),
+        rt.remove("x"),
+    ):
+        exc = await _raises(SandboxUnavailableError, call)
+        assert not isinstance(exc, FileNotFoundError)
+
+
+@check
+async def check_close_twice(rt: Runtime) -> None:
+    """close() twice is harmless."""
+    await rt.close()
+    await rt.close()
+    assert rt.closed
