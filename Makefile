@@ -29,7 +29,7 @@ LINT_DIRS := $(SRC_DIRS) tests benchmarks
 IMAGES_FLAGS := $(if $(filter 1 yes true,$(FORCE)),--force,)
 PYTEST_ARGS ?=
 
-.PHONY: help venv install engine images lint typecheck test demo bench clean distclean
+.PHONY: help venv install engine images shellcheck lint typecheck test demo bench clean distclean
 
 help:
 	@sed -n '1,7s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
@@ -67,8 +67,21 @@ images: engine
 	bash images/build-images.sh $(IMAGES_FLAGS)
 
 # --- checks ------------------------------------------------------------------------------------------------
-lint: install
+# The sh programs run inside sandboxes (runtimes/**/*.sh) are linted as POSIX sh; shellcheck comes
+# from Debian's archive when it is missing (as root; else install it yourself).
+shellcheck:
+	if ! command -v shellcheck >/dev/null; then
+	  if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+	    apt-get install -y -q --no-install-recommends shellcheck </dev/null \
+	      || { apt-get update -q </dev/null && apt-get install -y -q --no-install-recommends shellcheck </dev/null; }
+	  else
+	    echo "lint: shellcheck is missing (apt-get install shellcheck)" >&2; exit 1
+	  fi
+	fi
+
+lint: install shellcheck
 	rc=0
+	shellcheck -s sh $$(find runtimes -name '*.sh' | sort) || rc=1
 	$(VENV)/bin/ruff check $(wildcard $(LINT_DIRS)) || rc=1
 	$(VENV)/bin/ruff format --check $(wildcard $(LINT_DIRS)) || rc=1
 	exit $$rc

@@ -33,7 +33,11 @@ __all__ = [
     "SandboxTransportError",
     "SandboxUnavailableError",
     "UnsafeArchiveMemberError",
+    "arg_too_long",
+    "argument_list_too_long",
+    "cannot_run_as",
     "error_for_errno",
+    "no_such_user",
 ]
 
 
@@ -264,6 +268,34 @@ def error_for_errno(num: int | None, filename: str, detail: str | None = None) -
     text = _errno_message(num or 0)
     suffix = f" ({detail})" if detail else ""
     return SandboxError(f"[Errno {num}] {text}: {filename!r}{suffix}")
+
+
+def argument_list_too_long(size: int) -> SandboxInvalidArgumentError:
+    """An argv (with its environment) of ``size`` bytes over the kernel's limit (E2BIG)."""
+    return SandboxInvalidArgumentError(
+        f"argument list too long for the kernel ({size} bytes); "
+        "pass large data through stdin or a file"
+    )
+
+
+def arg_too_long(size: int) -> SandboxInvalidArgumentError:
+    """One argv item or environment entry of ``size`` bytes over the kernel's 128 KiB limit
+    for a single string (MAX_ARG_STRLEN)."""
+    return SandboxInvalidArgumentError(
+        f"an argument or environment entry of {size} bytes is over the kernel's "
+        "128 KiB limit for one string; pass large data through stdin or a file"
+    )
+
+
+def no_such_user(user: str | None, detail: str | None = None) -> SandboxInvalidArgumentError:
+    """``exec(user=...)`` named a user the sandbox does not have."""
+    suffix = f" ({detail})" if detail else ""
+    return SandboxInvalidArgumentError(f"no such user in the sandbox: {user!r}{suffix}")
+
+
+def cannot_run_as(program: str, user: str | None, reason: str) -> SandboxPermissionError:
+    """``exec(user=...)`` cannot switch to ``user`` here; ``reason`` says why."""
+    return SandboxPermissionError(program, f"cannot run as user {user!r}: {reason}")
 
 
 def _short_argv(argv: list[str], limit: int = 120) -> str:

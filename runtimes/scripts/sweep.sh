@@ -10,16 +10,24 @@
 # own session and its ancestors are always spared.
 mode=$1 mark=$2 keep=$3 user=$4 home=$5
 since=""; case $mode in since:*) since=${mode#since:} ;; esac
+# /proc/PID/stat is split into fields on purpose (unquoted, globbing off), after the command
+# name, which may hold anything.
 sid_of() {
   { read -r __s < "/proc/$1/stat"; } 2>/dev/null || return 1
-  set -f; set -- ${__s##*) }; set +f; echo "$4"
+  set -f
+  # shellcheck disable=SC2086
+  set -- ${__s##*) }
+  set +f; echo "$4"
 }
 ancestors() {
   __p=$1
   while [ -n "$__p" ] && [ "$__p" -gt 1 ] 2>/dev/null; do
     echo "$__p"
     { read -r __s < "/proc/$__p/stat"; } 2>/dev/null || return 0
-    set -f; set -- ${__s##*) }; set +f; __p=$2
+    set -f
+    # shellcheck disable=SC2086
+    set -- ${__s##*) }
+    set +f; __p=$2
   done
 }
 mine=$(sid_of $$)
@@ -32,7 +40,10 @@ uid=""; if [ -n "$user" ]; then uid=$(id -u -- "$user" 2>/dev/null) || uid=""; f
 look() {
   case $kept in *" $1 "*) return ;; esac
   if ! { read -r s < "/proc/$1/stat"; } 2>/dev/null; then unsure=$((unsure | $2)); return; fi
-  set -f; set -- "$1" "$2" ${s##*) }; set +f
+  set -f
+  # shellcheck disable=SC2086
+  set -- "$1" "$2" ${s##*) }
+  set +f
   state=$3 sid=$6 started=${22}
   case $state in Z|X|x) unsure=$((unsure | $2)); return ;; esac
   case $other in *" $1:$started "*) return ;; esac
@@ -45,10 +56,12 @@ look() {
   else
     hit=0
     if [ -n "$uid" ]; then
-      while read -r k v r; do
+      while read -r k v _; do
         [ "$k" = Uid: ] && { [ "$v" = "$uid" ] && hit=1; break; }
       done 2>/dev/null < "/proc/$1/status"
     fi
+    # -ef (same file) is not in POSIX, but dash, bash and busybox sh all have it.
+    # shellcheck disable=SC3013
     if [ "$hit" = 1 ]; then :
     elif [ -n "$home" ] && [ "/proc/$1/cwd" -ef "$home" ]; then hit=1
     elif tr '\0' '\n' 2>/dev/null < "/proc/$1/environ" | grep -qxF -- "$mark"; then hit=1; fi
