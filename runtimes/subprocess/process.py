@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import select
 import signal
@@ -15,10 +14,9 @@ import anyio.abc
 
 from ..errors import (
     SandboxError,
-    SandboxInvalidArgumentError,
-    error_for_errno,
 )
 from ..models import ExecRequest, OutputSink, Stream
+from ..wrapper import report_error
 from .config import _READ_CHUNK
 
 
@@ -177,14 +175,10 @@ def _kill_group(pgid: int) -> None:
 
 
 def _spawn_error(exc: OSError, request: ExecRequest) -> SandboxError:
-    if exc.errno == errno.E2BIG:
-        size = sum(len(a.encode()) + 1 for a in request.argv)
-        return SandboxInvalidArgumentError(
-            f"argument list too long for the kernel ({size} bytes); "
-            "pass large data through stdin or a file"
-        )
-    filename = exc.filename if isinstance(exc.filename, str) else request.argv[0]
-    return error_for_errno(exc.errno, filename, exc.strerror)
+    """The typed error for a command ``Popen`` could not start: the child failed to enter
+    ``cwd`` (the error names it) or to exec the program."""
+    what = "cwd" if exc.filename == request.cwd else "prog"
+    return report_error(exc.errno or 0, what, request, detail=exc.strerror)
 
 
 # ---------------------------------------------------------------------- file helpers

@@ -19,9 +19,9 @@ from ..base import Runtime
 from ..config import RuntimeConfig
 from ..errors import (
     SandboxError,
-    SandboxInvalidArgumentError,
     SandboxPermissionError,
     error_for_errno,
+    no_such_user,
 )
 from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..routes import HostRoute, RouteKind
@@ -163,7 +163,7 @@ class SubprocessRuntime(Runtime):
         try:
             entry = pwd.getpwnam(user) if not user.isdigit() else pwd.getpwuid(int(user))
         except KeyError:
-            raise SandboxInvalidArgumentError(f"no such user in the sandbox: {user!r}") from None
+            raise no_such_user(user) from None
         if entry.pw_uid == os.geteuid():
             return None
         if os.geteuid() != 0:
