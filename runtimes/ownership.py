@@ -27,16 +27,22 @@ BACKEND = LABEL_PREFIX + "backend"
 SESSION_ID = uuid.uuid4().hex
 
 
-def _process_start_ticks(pid: int) -> str | None:
-    """The process start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+def proc_stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (field 2, which may hold
+    spaces and parentheses): index 0 is the state (field 3), 19 the start time in clock
+    ticks since boot (field 22). ``None`` when the process is gone or unreadable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat = fh.read()
     except OSError:
         return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = stat[stat.rfind(b")") + 2 :].split()
-    return rest[19].decode() if len(rest) > 19 else None
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def _process_start_ticks(pid: int) -> str | None:
+    """The process start time in clock ticks since boot."""
+    fields = proc_stat_fields(pid)
+    return fields[19].decode() if fields is not None and len(fields) > 19 else None
 
 
 def _owner() -> str:

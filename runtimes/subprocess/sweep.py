@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .. import ownership
 from ..models import SandboxInfo
+from ..ownership import proc_stat_fields
 from ..sweep import MARK_VAR
 from .config import _META
 from .files import _remove_sandbox_dir
@@ -70,13 +71,9 @@ def _boot_ticks() -> int:
 
 
 def _proc_stat(pid: int) -> _Stat | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
+    fields = proc_stat_fields(pid)
+    if fields is None:
         return None
-    # "pid (comm) state ppid pgrp session ... starttime(22)": comm may hold anything.
-    fields = data[data.rfind(b")") + 2 :].split()
     try:
         return _Stat(
             fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19])
