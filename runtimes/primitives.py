@@ -21,7 +21,7 @@ from pathlib import Path
 import anyio
 
 from ._local_files import shell_error, tar_directory, untar_into, write_local_file
-from .channel import ChannelHooks, ChannelInfo, ChannelSupervisor
+from .channel import KILL_WAIT, ChannelHooks, ChannelInfo, ChannelSupervisor
 from .config import RuntimeConfig
 from .errors import (
     HostRouteError,
@@ -76,6 +76,7 @@ class Primitives(abc.ABC):
                     self.describe,
                     hooks,
                     stall_timeout=self._channel_stall_timeout(),
+                    kill_wait=self._channel_kill_wait(),
                 )
         return self._channel
 
@@ -96,6 +97,11 @@ class Primitives(abc.ABC):
     def _channel_stall_timeout(self) -> float | None:
         """How long a channel may stay silent under a request before the sandbox is probed."""
         return None
+
+    def _channel_kill_wait(self) -> float:
+        """How long a kill through the plain path may take after the channel died holding a
+        process group."""
+        return KILL_WAIT
 
     def _channel_env(self, request: ExecRequest) -> Mapping[str, str]:
         """Variables the agent adds to a command's environment (the plain path's wrapper
