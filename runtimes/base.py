@@ -123,8 +123,9 @@ class Runtime(Primitives):
         except BaseException:
             self._release_live_slot()
             raise
-        if self.closed:  # closed while it waited
-            self._release_live_slot()
+        if self.closed:  # closed while it waited: discard what _before_start made
+            with anyio.CancelScope(shield=True):
+                await self._discard_early_start()
             raise SandboxUnavailableError(
                 f"{self.describe()} was already started ({self._state.value})"
             )
@@ -140,6 +141,19 @@ class Runtime(Primitives):
                 await self._close_quietly()
             raise
         return self
+
+    async def _discard_early_start(self) -> None:
+        """``close()`` ran while :meth:`_before_start` waited or created: it skipped
+        ``_close`` (nothing had started), so whatever ``_before_start`` made goes now."""
+        self._release_live_slot()
+        try:
+            await self._close()
+        except Exception:
+            log.warning(
+                "closing %s after a start cut short by close() also failed",
+                self.describe(),
+                exc_info=True,
+            )
 
     async def _take_live_slot(self) -> None:
         limit = self._live_cap()
