@@ -257,7 +257,7 @@ class Primitives(abc.ABC):
 
     async def _upload(self, source: Path, remote: str) -> None:
         if await anyio.Path(source).is_file():
-            await self._write(remote, await anyio.Path(source).read_bytes())
+            await self._routed_write(remote, await anyio.Path(source).read_bytes())
             return
         archive = await anyio.to_thread.run_sync(tar_directory, source)
         request, sink = self._internal(
@@ -283,7 +283,7 @@ class Primitives(abc.ABC):
         if kind == 2:
             raise SandboxFileNotFoundError(remote)
         if kind == 4:
-            data = await self._read(remote, self.config.read_limit)
+            data = await self._routed_read(remote, self.config.read_limit)
             await anyio.to_thread.run_sync(write_local_file, local, data)
             return
         request, sink = self._internal(
