@@ -129,8 +129,14 @@ class Primitives(abc.ABC):
         if self._channel is not None:
             self._channel.close_now()
 
+    def _check_request(self, request: ExecRequest) -> None:
+        """Refuse, before either path sees it, what the plain path would refuse in its own
+        words (so the channel gives the same error). Raises a ``SandboxError``."""
+        return None
+
     async def _routed_exec(self, request: ExecRequest, sink: OutputSink) -> int:
-        """Every command: the kills still owed first, then the channel, else ``_exec``."""
+        """Every command: checked, the kills still owed paid, then the channel, else ``_exec``."""
+        self._check_request(request)
         if self._orphans:
             await self._kill_orphans()
         channel = self._supervisor

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-import runtimes.modal
+import runtimes.modal.client
 from runtimes import open_runtime
 
 from .fake_modal import FakeModalService
@@ -40,7 +40,7 @@ def main() -> None:
         config = {"type": "modal", "image": image, "app_name": "vf-sandbox-tests"}
     else:
         fake = FakeModalService(Path(state)).module()
-        runtimes.modal._modal = lambda: fake  # type: ignore[assignment]
+        runtimes.modal.client._modal = lambda: fake  # type: ignore[assignment]
         config = fake_config()
     print(anyio.run(_open, config), flush=True)
     if mode == "hang":

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from runtimes import RuntimeConfigError, resolve_runtime_config, runtime_is_local
-from runtimes.modal import ModalConfig, ModalRuntime, _is_dockerfile
+from runtimes.modal import ModalConfig, ModalRuntime
+from runtimes.modal.config import _is_dockerfile
 
 
 def test_defaults_block_the_network_and_bound_the_lifetime() -> None:

@@ -31,6 +31,8 @@ import pytest
 from grpclib import Status
 
 import runtimes.modal as modal_runtime
+import runtimes.modal.client as modal_client
+import runtimes.modal.runtime as modal_lifecycle
 from runtimes import (
     ExecRequest,
     ExecTimeoutError,
@@ -116,7 +118,7 @@ def test_cidr_allowlist_opens_the_network_to_those_cidrs_only(
 def test_resource_exhausted_is_retried_until_creation_succeeds(
     fake_service: FakeModalService, fake_modal: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(modal_runtime, "CREATE_BACKOFF", (0.01, 0.05))
+    monkeypatch.setattr(modal_lifecycle, "CREATE_BACKOFF", (0.01, 0.05))
     fake_service.create_failures = [
         grpc_error(Status.RESOURCE_EXHAUSTED, "rate limit exceeded"),
         modal_exc.ResourceExhaustedError("Insufficient capacity to create sandbox."),
@@ -134,7 +136,7 @@ def test_resource_exhausted_is_retried_until_creation_succeeds(
 def test_resource_exhausted_every_time_is_a_provisioning_error(
     fake_service: FakeModalService, fake_modal: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(modal_runtime, "CREATE_BACKOFF", (0.01, 0.05))
+    monkeypatch.setattr(modal_lifecycle, "CREATE_BACKOFF", (0.01, 0.05))
     fake_service.create_failures = [modal_exc.ResourceExhaustedError("quota")] * 10
 
     async def body() -> None:
@@ -381,7 +383,7 @@ def test_transport_errors_on_file_calls_are_retried_then_surface(
             fake_service.exec_failures = [flaky]
             assert await rt.read("f.txt") == b"content"
             assert fake_service.exec_failures == []
-            fake_service.exec_failures = [flaky] * modal_runtime.TRANSPORT_ATTEMPTS
+            fake_service.exec_failures = [flaky] * modal_client.TRANSPORT_ATTEMPTS
             exc = await _raises(SandboxTransportError, rt.read("f.txt"))
             assert isinstance(exc, ConnectionError) and not isinstance(exc, FileNotFoundError)
             assert await rt.read("f.txt") == b"content"

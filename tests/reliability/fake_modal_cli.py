@@ -11,11 +11,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import runtimes.modal
+import runtimes.modal.client
 from placement.cli import main
 from tests.modal.fake_modal import FakeModalService
 
 if __name__ == "__main__":
     fake = FakeModalService(Path(sys.argv[1])).module()
-    runtimes.modal._modal = lambda: fake  # type: ignore[assignment]
+    runtimes.modal.client._modal = lambda: fake  # type: ignore[assignment]
     sys.exit(main(sys.argv[2:]))

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-import runtimes.modal
+import runtimes.modal.client
 from runtimes import open_runtime, ownership
 from runtimes.base import Runtime
 
@@ -46,7 +46,7 @@ def main() -> None:
         from tests.modal.fake_modal import FakeModalService
 
         fake = FakeModalService(Path(state)).module()
-        runtimes.modal._modal = lambda: fake  # type: ignore[assignment]
+        runtimes.modal.client._modal = lambda: fake  # type: ignore[assignment]
     sandboxes = anyio.run(_open_all, configs, mark)
     print(json.dumps({"session": ownership.SESSION_ID, "sandboxes": sandboxes}), flush=True)
     time.sleep(600)

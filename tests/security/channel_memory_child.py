@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 
-import runtimes.channel as channel
+import runtimes.channel.bootstrap as channel
 from runtimes import open_runtime
 from tests.reliability.memory_child import _reset_peak, _status_kib
 
@@ -56,7 +56,7 @@ _vf_exec_run = Exec.run
 
 
 def _vf_exec_flood(self):
-    if self.header["a"] != ["true"]:
+    if self.header.argv != ["true"]:
         return _vf_exec_run(self)
     chunk = b"z" * PIPE_CHUNK
     sent = 0
@@ -91,7 +91,7 @@ async def measure(config: dict[str, Any], mode: str) -> dict[str, Any]:
     received = [0]
     rt: Any
     async with open_runtime(config) as rt:
-        chan = rt._channels._channel
+        chan = rt._channel._channel
         assert chan is not None
         original = chan._transport.recv
 

@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 from runtimes import OutputLimitExceededError, open_runtime
-from runtimes import _channel_agent as agent
+from runtimes.channel.agent import wire as agent
 from runtimes.errors import ChannelTamperedError, SandboxTransportError
 
 from .conftest import Hostile
@@ -195,7 +195,7 @@ async def test_a_forged_frame_on_the_stream_is_a_typed_error_and_the_channel_is_
     authentication: every request in flight fails typed, later calls take the plain path."""
     rt: Any
     async with open_runtime(hostile.config) as rt:
-        chan = rt._channels._channel
+        chan = rt._channel._channel
         assert chan is not None
         transport = chan._transport
         original = transport.recv

@@ -32,10 +32,10 @@ from typing import Any
 import anyio
 import pytest
 
-import runtimes.channel as channel
-from runtimes import _channel_agent as agent
+import runtimes.channel.bootstrap as channel
 from runtimes import open_runtime
 from runtimes.channel import MAX_RELAYED
+from runtimes.channel.agent import wire as agent
 from runtimes.errors import ChannelTamperedError, HostRouteError
 from tests.reliability.memory_child import _reset_peak, _status_kib
 

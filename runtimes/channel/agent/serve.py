@@ -1,0 +1,251 @@
+"""The agent's main loop: frames read from the host, authenticated, handed to the request
+they belong to; each request runs in a worker thread (agent part).
+
+Part of the agent's joined source (:mod:`runtimes.channel.agent`): standard library only,
+Python >= 3.8; never imported by the host.
+"""
+
+from __future__ import annotations
+
+import errno
+import hmac
+import os
+import queue
+import stat
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .execute import Exec
+from .files import Read, Write
+from .output import Output, Refused
+from .relay import Listener
+from .wire import (
+    ALERT,
+    DATA,
+    DONE,
+    EOF,
+    EXEC,
+    HEADER,
+    HELLO,
+    KILL,
+    LISTEN,
+    R_ACK,
+    R_CLOSE,
+    R_DATA,
+    R_EOF,
+    READ,
+    REMOVE,
+    STAT,
+    TAG,
+    VERSION,
+    WRITE,
+    ExecHeader,
+    Hello,
+    ListenHeader,
+    PathHeader,
+    ReadHeader,
+    WriteHeader,
+    mac,
+    split_prefixed,
+    text,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+INPUT_CHUNK = 1024 * 1024
+
+
+class Workers:
+    """Threads reused across requests; a new one only when none is idle."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]]
+        self._tasks = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._tasks.put((fn, args))
+        if spawn:
+            threading.Thread(target=self._work, daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            fn, args = self._tasks.get()
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - a bug in one request must not end the agent
+                import traceback
+
+                traceback.print_exc(file=sys.stderr)
+            with self._lock:
+                self._idle += 1
+
+
+class Agent:
+    def __init__(self, in_fd: int, out_fd: int, key: bytes, flags: int = 0) -> None:
+        self.in_fd = in_fd
+        self.key = key
+        self.flags = flags
+        self.out = Output(out_fd, key)
+        self.workers = Workers()
+        self.requests: dict[int, Any] = {}
+        self.lock = threading.Lock()
+        self.env = dict(os.environ)
+        self.next_conn = 0
+
+    # ------------------------------------------------------------------ the main loop
+
+    def serve(self) -> None:
+        self.out.send(HELLO, 0, self.hello())
+        buf = bytearray()
+        seq = 0
+        key = self.key
+        while True:
+            try:
+                data = os.read(self.in_fd, INPUT_CHUNK)
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            buf += data
+            pos = 0
+            size_buf = len(buf)
+            while size_buf - pos >= HEADER.size:
+                kind, rid, size = HEADER.unpack_from(buf, pos)
+                end = pos + HEADER.size + size
+                if end + TAG > size_buf:
+                    break
+                payload = bytes(buf[pos + HEADER.size : end])
+                expected = mac(key, seq, bytes(buf[pos : pos + HEADER.size]), payload)
+                if not hmac.compare_digest(expected, bytes(buf[end : end + TAG])):
+                    # Someone else writes to this stream: nothing it says may be obeyed,
+                    # and nothing more may be trusted. Say so (authenticated), then stop.
+                    self.out.send(ALERT, 0, text(f"a forged frame (type {kind}) at #{seq}"))
+                    self.shutdown()
+                seq += 1
+                try:
+                    self.dispatch(kind, rid, payload)
+                except Exception as exc:  # noqa: BLE001 - one bad request must not end the agent
+                    self.finish(rid)
+                    self.out.error(rid, 0, "internal", f"{type(exc).__name__}: {exc}")
+                pos = end + TAG
+            del buf[:pos]
+        self.shutdown()
+
+    def hello(self) -> bytes:
+        python = ".".join(str(n) for n in sys.version_info[:3])
+        hello = Hello(
+            VERSION,
+            os.getpid(),
+            os.getsid(0),
+            os.geteuid(),
+            os.getegid(),
+            self.flags,
+            python,
+            os.path.realpath(sys.executable),
+        )
+        return hello.to_wire()
+
+    def dispatch(self, kind: int, rid: int, payload: bytes) -> None:
+        if kind in (DATA, EOF, KILL):
+            with self.lock:
+                request = self.requests.get(rid)
+            if request is None:
+                return  # finished or refused meanwhile: late frames are dropped
+            if kind == KILL:
+                request.kill()
+            else:
+                request.feed(payload if kind == DATA else None)
+            return
+        if kind == EXEC:
+            header, inline = split_prefixed(payload)
+            command = Exec(self, rid, ExecHeader.from_wire(header), inline)
+            with self.lock:
+                self.requests[rid] = command
+            # Spawned right here: the worker that pumps its output wakes up while the
+            # command already runs, instead of before it starts.
+            if command.launch():
+                self.workers.submit(command.run)
+        elif kind == WRITE:
+            header, inline = split_prefixed(payload)
+            self.start(rid, Write(self, rid, WriteHeader.from_wire(header), inline))
+        elif kind == READ:
+            self.start(rid, Read(self, rid, ReadHeader.from_wire(payload)))
+        elif kind in (R_DATA, R_ACK, R_EOF, R_CLOSE):
+            with self.lock:
+                conn = self.requests.get(rid)
+            if conn is not None:
+                conn.on_frame(kind, payload)
+        elif kind == LISTEN:
+            listener = Listener(self, rid, ListenHeader.from_wire(payload))
+            with self.lock:
+                self.requests[rid] = listener
+            listener.open()
+        elif kind == STAT:
+            self.workers.submit(self.stat, rid, PathHeader.from_wire(payload))
+        elif kind == REMOVE:
+            self.workers.submit(self.remove, rid, PathHeader.from_wire(payload))
+        else:
+            self.out.error(rid, errno.EINVAL, "unsupported", f"unknown frame type {kind}")
+
+    def start(self, rid: int, request: Any) -> None:
+        with self.lock:
+            self.requests[rid] = request
+        self.workers.submit(request.run)
+
+    def refuse(self, rid: int, exc: Refused | OSError) -> None:
+        """A request that could not start: one ERROR frame, then off the books."""
+        if isinstance(exc, Refused):
+            self.out.refused(rid, exc)
+        else:
+            self.out.os_error(rid, exc)
+        self.finish(rid)
+
+    def finish(self, rid: int) -> None:
+        with self.lock:
+            self.requests.pop(rid, None)
+
+    def shutdown(self) -> None:
+        """Stdin ended: nobody will read results any more. Kill what still runs, exit."""
+        with self.lock:
+            running = list(self.requests.values())
+        for request in running:
+            request.kill()
+        sys.stderr.flush()
+        os._exit(0)
+
+    # ------------------------------------------------------------------ small requests
+
+    def stat(self, rid: int, header: PathHeader) -> None:
+        try:
+            os.lstat(header.path)
+            exists = True
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                self.out.os_error(rid, exc)
+                return
+            exists = False
+        self.out.send(DONE, rid, b"\x01" if exists else b"\x00")
+
+    def remove(self, rid: int, header: PathHeader) -> None:
+        path = header.path
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                import shutil
+
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError as exc:
+            self.out.os_error(rid, exc)
+            return
+        self.out.send(DONE, rid)

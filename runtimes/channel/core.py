@@ -1,0 +1,308 @@
+"""The channel: one agent, one stream, many concurrent requests (exec, read, write, stat,
+remove, relay listeners), each a typed header and a conversation of frames."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import anyio
+
+from ..errors import HostRouteError, OutputLimitExceededError, SandboxError
+from ..models import ExecRequest, OutputSink
+from .agent import wire
+from .agent.wire import (
+    I32,
+    U16,
+    U32,
+    ErrorReport,
+    ExecHeader,
+    ListenHeader,
+    PathHeader,
+    ReadHeader,
+    WriteHeader,
+)
+from .framing import LOST, Frame, FramedStream, PendingRequest
+from .protocol import (
+    CHUNK,
+    FIRST_PROBE,
+    INLINE,
+    MAX_RELAYED,
+    NEXT_PROBE,
+    RELAY_WINDOW,
+    WINDOW,
+    ChannelLost,
+    ChannelStalled,
+    SandboxGone,
+    exec_error,
+    file_error,
+)
+from .relay import RelayListener
+
+log = logging.getLogger("runtimes.channel")
+
+
+class Channel(FramedStream):
+    """One agent, one stream, many concurrent requests. Bound to the event loop that
+    started it. Use through :class:`~runtimes.channel.supervisor.ChannelSupervisor`."""
+
+    async def _next(self, request: PendingRequest, *, file: bool = False) -> Frame:
+        """The request's next frame. A silence is met with the backend's liveness probe;
+        a file request (never silent for long) fails after the stall timeout."""
+        stall = self._stall_timeout if file else None
+        waited = 0.0
+        wait = FIRST_PROBE
+        while True:
+            step = wait if stall is None else min(wait, stall - waited)
+            with anyio.move_on_after(step):
+                return await self._receive(request)
+            waited += step
+            if stall is not None and waited >= stall:
+                raise ChannelStalled(f"{self.label}: no answer for {stall:g}s")
+            if self._probe_dead is not None and await self._probe_dead():
+                raise SandboxGone(f"{self.label}: the sandbox stopped")
+            wait = NEXT_PROBE
+
+    def _acked(self, in_flight: int, payload: bytes) -> int:
+        """The window after an ``ACK``; one acknowledging more than was sent is a forgery."""
+        in_flight -= U32.unpack(payload)[0]
+        if in_flight < 0:
+            self._tamper("the agent acknowledged bytes the host never sent")
+        return in_flight
+
+    def _send_more(self, rid: int, data: memoryview, sent: int, in_flight: int) -> tuple[int, int]:
+        """Queue stdin / content frames while the window allows; EOF after the last."""
+        total = len(data)
+        while sent < total and in_flight < WINDOW:
+            piece = data[sent : sent + CHUNK]
+            self._send(wire.DATA, rid, bytes(piece))
+            sent += len(piece)
+            in_flight += len(piece)
+            if sent == total:
+                self._send(wire.EOF, rid)
+        return sent, in_flight
+
+    # ------------------------------------------------------------------ requests
+
+    async def exec(self, request: ExecRequest, sink: OutputSink, env: Mapping[str, str]) -> int:
+        """Run a command through the agent; on cancellation kill its group and confirm.
+
+        Raises:
+            ChannelRefused / ChannelLost / SandboxGone: for the supervisor to handle.
+            SandboxError subclasses: the command could not start (typed, as documented on
+                :meth:`runtimes.base.Runtime.exec`).
+        """
+        # The agent forwards at most the cap and the chunk that crossed it.
+        pending = self._open(request.output_limit + wire.PIPE_CHUNK)
+        data = memoryview(request.stdin or b"")
+        inline = data[:INLINE]
+        header = ExecHeader(
+            list(request.argv),
+            request.cwd,
+            {**request.env, **env},
+            request.user,
+            request.output_limit,
+            has_stdin=bool(data),
+            stdin_complete=len(inline) == len(data),
+        ).to_wire()
+        pgid: int | None = None
+        finished = False
+        try:
+            self._send_with_header(wire.EXEC, pending.rid, header, inline)
+            sent, in_flight = len(inline), 0
+            while True:
+                sent, in_flight = self._send_more(pending.rid, data, sent, in_flight)
+                kind, payload = await self._next(pending)
+                if kind == wire.STDOUT:
+                    sink.feed("stdout", payload)
+                elif kind == wire.STDERR:
+                    sink.feed("stderr", payload)
+                elif kind == wire.ACK:
+                    in_flight = self._acked(in_flight, payload)
+                elif kind == wire.STARTED:
+                    pgid = U32.unpack(payload)[0]
+                elif kind == wire.EXIT:
+                    finished = True
+                    return int(I32.unpack(payload)[0])
+                elif kind == wire.ERROR:
+                    finished = True
+                    raise exec_error(payload, request)
+                elif kind == LOST:
+                    finished = True
+                    raise ChannelLost(f"{self.label}: the channel died during an exec", pgid)
+        except BaseException as exc:
+            if not finished and not isinstance(exc, SandboxGone):
+                with anyio.CancelScope(shield=True):
+                    await self._kill(pending, pgid)
+            raise
+        finally:
+            self._finish(pending)
+
+    async def _kill(self, pending: PendingRequest, pgid: int | None) -> None:
+        """Kill the request's process group (timeout, output cap, cancellation).
+
+        The agent kills it and confirms with the exit; when the channel died or the agent
+        does not confirm in time, the backend's plain path kills the group instead.
+        """
+        if self.usable:
+            self._send(wire.KILL, pending.rid)
+            with anyio.move_on_after(self._kill_wait):
+                while True:
+                    kind, payload = await self._receive(pending)
+                    if kind == wire.STARTED:
+                        pgid = U32.unpack(payload)[0]
+                    elif kind in (wire.EXIT, wire.ERROR):
+                        return
+                    elif kind == LOST:
+                        break
+        if pgid is None or self._kill_group is None:
+            log.warning(
+                "%s: a command may be left running (its kill was not confirmed)", self.label
+            )
+            return
+        try:
+            with anyio.move_on_after(self._kill_wait):
+                await self._kill_group(pgid)
+        except SandboxError as exc:
+            log.warning("%s: could not kill process group %s: %s", self.label, pgid, exc)
+
+    async def read(self, path: str, limit: int) -> bytes:
+        """A file's bytes (``limit`` enforced by the agent).
+
+        Raises:
+            SandboxFileNotFoundError, SandboxIsADirectoryError, SandboxNotADirectoryError,
+            SandboxPermissionError, OutputLimitExceededError: as for ``Runtime.read``.
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        pending = self._open(limit)
+        done = False
+        try:
+            self._send(wire.READ, pending.rid, ReadHeader(path, limit).to_wire())
+            parts: list[bytes] = []
+            received = 0
+            while True:
+                kind, payload = await self._next(pending, file=True)
+                if kind == wire.CHUNK:
+                    received += len(payload)
+                    if received > limit:
+                        # The agent checks the cap before it sends: one that sends more is
+                        # not the agent the host started. Nothing more is buffered.
+                        parts.clear()
+                        self._tamper(f"the agent sent more than the {limit} bytes a read allows")
+                        raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
+                    parts.append(payload)
+                elif kind == wire.DONE:
+                    done = True
+                    return b"".join(parts)
+                elif kind == wire.ERROR:
+                    done = True
+                    raise file_error(payload, path, limit)
+                elif kind == LOST:
+                    done = True
+                    raise ChannelLost(f"{self.label}: the channel died during a read")
+        finally:
+            if not done and self.usable:
+                self._send(wire.KILL, pending.rid)
+            self._finish(pending)
+
+    async def write(self, path: str, data: bytes) -> None:
+        """Write a file (parents created), streamed under the window.
+
+        Raises:
+            SandboxIsADirectoryError, SandboxNotADirectoryError, SandboxPermissionError:
+                as for ``Runtime.write``.
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        pending = self._open()
+        view = memoryview(data)
+        inline = view[:INLINE]
+        done = False
+        try:
+            complete = len(inline) == len(view)
+            header = WriteHeader(path, complete).to_wire()
+            self._send_with_header(wire.WRITE, pending.rid, header, inline)
+            sent, in_flight = len(inline), 0
+            while True:
+                sent, in_flight = self._send_more(pending.rid, view, sent, in_flight)
+                kind, payload = await self._next(pending, file=True)
+                if kind == wire.ACK:
+                    in_flight = self._acked(in_flight, payload)
+                elif kind == wire.DONE:
+                    done = True
+                    return
+                elif kind == wire.ERROR:
+                    done = True
+                    raise file_error(payload, path, 0)
+                elif kind == LOST:
+                    done = True
+                    raise ChannelLost(f"{self.label}: the channel died during a write")
+        finally:
+            if not done and self.usable:
+                self._send(wire.KILL, pending.rid)
+            self._finish(pending)
+
+    async def exists(self, path: str) -> bool:
+        """Whether anything is at ``path`` (``lstat``).
+
+        Raises:
+            SandboxPermissionError: a parent cannot be searched.
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        payload = await self._simple(wire.STAT, path)
+        return payload == b"\x01"
+
+    async def remove(self, path: str) -> None:
+        """Remove a file, a link or a whole tree.
+
+        Raises:
+            SandboxFileNotFoundError, SandboxPermissionError: as for ``Runtime.remove``.
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        await self._simple(wire.REMOVE, path)
+
+    async def _simple(self, kind: int, path: str) -> bytes:
+        pending = self._open()
+        try:
+            self._send(kind, pending.rid, PathHeader(path).to_wire())
+            answer, payload = await self._next(pending, file=True)
+            if answer == wire.DONE:
+                return payload
+            if answer == wire.ERROR:
+                raise file_error(payload, path, 0)
+            raise ChannelLost(f"{self.label}: the channel died during a file operation")
+        finally:
+            self._finish(pending)
+
+    async def listen(
+        self, target: tuple[str, int], *, port: int = 0, max_connections: int = MAX_RELAYED
+    ) -> RelayListener:
+        """A TCP listener on the sandbox's loopback (``port``, 0: a free one) whose every
+        connection is relayed over this channel to ``target`` on the host.
+
+        Raises:
+            HostRouteError: the agent could not listen (the port is taken...).
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        pending = self._open()
+        listener = RelayListener(self, pending, target, max_connections)
+        self._relay.add(listener)  # before LISTEN: OPENED may overtake its DONE
+        ready = False
+        try:
+            header = ListenHeader(max_connections, RELAY_WINDOW, port)
+            self._send(wire.LISTEN, pending.rid, header.to_wire())
+            kind, answer = await self._next(pending, file=True)
+            if kind == wire.DONE:
+                listener.sandbox_port = U16.unpack(answer)[0]
+                ready = True
+                return listener
+            if kind == wire.ERROR:
+                message = ErrorReport.from_wire(answer).message
+                raise HostRouteError(
+                    f"{self.label}: the agent cannot listen on 127.0.0.1:{port}: {message}",
+                    via="channel",
+                )
+            raise ChannelLost(f"{self.label}: the channel died while the relay started")
+        finally:
+            if not ready:
+                self._relay.remove(listener, "the relay never started")
+                self._finish(pending)

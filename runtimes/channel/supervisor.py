@@ -1,0 +1,534 @@
+"""What a runtime holds: the supervisor that starts its channel, routes each call through it,
+and falls back to the backend's plain path when the sandbox has no ``python3`` (probed once),
+when the channel died (restarted on the next call, at most :data:`MAX_RESTARTS` times per
+:data:`RESTART_WINDOW` seconds, from verified files only), or when the agent cannot serve a
+request (switching users without root). A request in flight on a channel that died is
+retried through the plain path only when it is idempotent (read, exists); otherwise it fails
+with :class:`~runtimes.errors.SandboxTransportError`, or
+:class:`~runtimes.errors.SandboxUnavailableError` when the sandbox itself is gone.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+import anyio
+
+from ..errors import (
+    ChannelTamperedError,
+    HostRouteError,
+    SandboxError,
+    SandboxTransportError,
+    SandboxUnavailableError,
+)
+from ..models import ExecRequest, OutputSink
+from .core import Channel
+from .framing import current_loop
+from .protocol import (
+    KILL_WAIT,
+    MAX_RESTARTS,
+    RESTART_WINDOW,
+    START_TIMEOUT,
+    ChannelLost,
+    ChannelRefused,
+    ChannelTransport,
+    ChannelUnsupported,
+    SandboxGone,
+)
+from .relay import RelayListener
+
+log = logging.getLogger("runtimes.channel")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ChannelHooks:
+    """What a backend gives its :class:`ChannelSupervisor`.
+
+    ``open_transport``: start ``agent_command(interpreter)`` with stdin attached and return
+    the stream (raise a ``SandboxError`` when it cannot); ``interpreter`` is ``None`` the first
+    time, then the absolute path pinned then. ``kill_group``: kill a process group through
+    the plain path (the agent died holding it). ``lost_means_dead``: after the channel died,
+    whether the sandbox itself is gone. ``probe_dead``: a cheap check, during a long silence,
+    that the sandbox stopped (``None``: no such check). ``verify_agent``: before a restart,
+    check through the backend's own file access (never by running sandbox code) that the
+    files the first agent ran from are unchanged: given their sha256 (32 zero bytes: absent;
+    :data:`UNKNOWN`: the first agent died before it reported) as the first agent reported
+    them, the pinned interpreter always among them, return ``None`` or why they cannot be
+    trusted (``None`` hook: a restart is never trusted, the plain path serves).
+    ``verify_first``: before the first start, whether the sandbox's ``python3`` can be trusted
+    (a sandbox commands ran in before this runtime attached); ``None`` or why not.
+    """
+
+    open_transport: Callable[[str | None], Awaitable[ChannelTransport]]
+    kill_group: Callable[[int], Awaitable[None]]
+    lost_means_dead: Callable[[], Awaitable[bool]]
+    probe_dead: Callable[[], Awaitable[bool]] | None = None
+    verify_agent: Callable[[Mapping[str, bytes]], Awaitable[str | None]] | None = None
+    verify_first: Callable[[], Awaitable[str | None]] | None = None
+
+
+ABSENT = bytes(32)
+"""The digest the agent reports for a file that is not there (``/etc/ld.so.preload``)."""
+UNKNOWN = b""
+"""The digest of a file the first agent did not report (it died first)."""
+
+
+async def verify_by_reading(
+    read_file: Callable[[str], Awaitable[bytes | None]], digests: Mapping[str, bytes]
+) -> str | None:
+    """A ``verify_agent`` for backends that can read a file without running sandbox code
+    (SFTP, a filesystem API): every file hashed again and compared. ``read_file`` returns
+    ``None`` for a missing file and may raise ``SandboxError``."""
+    for path, digest in digests.items():
+        if digest == UNKNOWN:
+            return f"the first agent died before it reported the digest of {path!r}"
+        try:
+            data = await read_file(path)
+        except SandboxError as exc:
+            return f"could not read {path!r} to verify it: {exc}"
+        now = ABSENT if data is None else hashlib.sha256(data).digest()
+        if not hmac.compare_digest(now, digest):
+            return f"{path!r} changed since the agent first ran"
+    return None
+
+
+@dataclass(frozen=True)
+class ChannelInfo:
+    """The state of a runtime's channel, for tests, logs and ``vf-sandbox doctor``.
+
+    ``state`` is ``disabled`` (``channel=False``), ``unsupported`` (no python3 in the
+    sandbox, or an agent that cannot protect itself), ``running``, ``down`` (died or never
+    came up; restarted on the next call while the restart budget allows), ``distrusted``
+    (the stream was tampered with, or the agent could not be restarted from verified files:
+    the plain path serves for good; ``reason`` says why) or ``closed``. ``served`` counts
+    the calls the channel served, ``fallbacks`` those that took the backend's plain path
+    while the channel was enabled.
+    """
+
+    state: str
+    agent_pid: int | None
+    python: str | None
+    restarts: int
+    served: int
+    fallbacks: int
+    reason: str | None
+
+
+class ChannelSupervisor:
+    """Routes a runtime's calls through its channel, with the fallbacks described above."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        label: Callable[[], str],
+        hooks: ChannelHooks,
+        *,
+        max_restarts: int = MAX_RESTARTS,
+        restart_window: float = RESTART_WINDOW,
+        start_timeout: float = START_TIMEOUT,
+        stall_timeout: float | None = None,
+        kill_wait: float = KILL_WAIT,
+    ) -> None:
+        self.enabled = enabled
+        self._label = label
+        self._hooks = hooks
+        self._max_restarts = max_restarts
+        self._restart_window = restart_window
+        self._start_timeout = start_timeout
+        self._stall_timeout = stall_timeout
+        self._kill_wait = kill_wait
+        self._channel: Channel | None = None
+        self._unsupported = False
+        self._closed = False
+        self._reason: str | None = None
+        self._restarts: collections.deque[float] = collections.deque()
+        self._restart_count = 0
+        self._served = 0
+        self._fallbacks = 0
+        self._locks: dict[int, anyio.Lock] = {}
+        self._interpreter: str | None = None
+        """The interpreter's absolute path, as the first agent (started before any command
+        of the runtime) reported it: later starts run it by path, after verification."""
+        self._first: Channel | None = None
+        self._distrusted: str | None = None
+
+    @property
+    def info(self) -> ChannelInfo:
+        chan = self._channel
+        if not self.enabled:
+            state = "disabled"
+        elif self._closed:
+            state = "closed"
+        elif self._distrusted is not None or (chan is not None and chan.tampered):
+            state = "distrusted"
+        elif self._unsupported:
+            state = "unsupported"
+        elif chan is not None and chan.running:
+            state = "running"
+        else:
+            state = "down"
+        hello = chan.hello if chan is not None else None
+        return ChannelInfo(
+            state=state,
+            agent_pid=chan.agent_pid if chan is not None else None,
+            python=hello.python if hello is not None else None,
+            restarts=self._restart_count,
+            served=self._served,
+            fallbacks=self._fallbacks,
+            reason=self._reason or (chan.tampered if chan is not None else None),
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the agent (the runtime's ``_start``). Never raises: a sandbox without a
+        channel still works through the plain path."""
+        if not self.enabled:
+            return
+        if self._hooks.verify_first is not None:
+            try:
+                reason = await self._hooks.verify_first()
+            except SandboxError as exc:
+                reason = f"could not verify the sandbox's python3: {exc}"
+            if reason is not None:
+                self._distrust(f"the agent's interpreter cannot be trusted: {reason}")
+                return
+        self._channel = await self._launch()
+
+    async def close(self) -> None:
+        """Close the channel (before the sandbox goes away)."""
+        self._closed = True
+        chan, self._channel = self._channel, None
+        if chan is not None:
+            await chan.aclose()
+
+    def close_now(self) -> None:
+        """Blocking close, for the atexit backstop."""
+        self._closed = True
+        chan, self._channel = self._channel, None
+        if chan is not None:
+            chan.close()
+
+    def _distrust(self, reason: str) -> None:
+        if self._distrusted is None:
+            self._distrusted = reason
+            self._reason = reason
+            log.warning("%s: channel distrusted: %s; the plain path serves", self._label(), reason)
+
+    async def _verified_interpreter(self) -> str | None:
+        """Before a restart: the pinned interpreter if the files the first agent ran from
+        are verified unchanged; else ``None`` and the channel is distrusted for good."""
+        first = self._first
+        if self._interpreter is None or first is None:
+            self._distrust(
+                "no interpreter was pinned at the first start: a restart would run "
+                "whatever python3 the sandbox has now"
+            )
+            return None
+        verify = self._hooks.verify_agent
+        if verify is None:
+            self._distrust("the agent died and this backend cannot verify its interpreter")
+            return None
+        # The first agent may have died before it reported (killed at once): the pinned
+        # interpreter is then listed with an unknown digest (a backend that verifies by
+        # content refuses it; Docker's diff against the image needs no digest).
+        digests = dict(await first.wait_digests(self._start_timeout) or {})
+        digests.setdefault(self._interpreter, UNKNOWN)
+        try:
+            reason = await verify(digests)
+        except SandboxError as exc:
+            reason = f"could not verify the agent's files: {exc}"
+        if reason is not None:
+            self._distrust(f"the agent died and its files cannot be trusted: {reason}")
+            return None
+        return self._interpreter
+
+    async def _launch(self, interpreter: str | None = None) -> Channel | None:
+        label = self._label()
+        first = self._first is None
+        try:
+            with anyio.CancelScope(shield=True):
+                # Shielded: once the stream is open nothing may lose the handle on it.
+                transport = await self._hooks.open_transport(interpreter)
+        except SandboxError as exc:
+            self._reason = f"could not start the agent: {exc}"
+            log.info("%s: %s", label, self._reason)
+            return None
+        chan = Channel(
+            transport,
+            f"channel of {label}",
+            probe_dead=self._probe_dead,
+            kill_group=self._hooks.kill_group,
+            stall_timeout=self._stall_timeout,
+            kill_wait=self._kill_wait,
+            want_digests=first and self._hooks.verify_agent is not None,
+        )
+        try:
+            await chan.start(self._start_timeout)
+        except ChannelUnsupported as exc:
+            self._unsupported = True
+            self._reason = str(exc)
+            log.info("%s: %s; using the plain path", label, exc)
+        except (ChannelLost, TimeoutError) as exc:
+            if chan.tampered is not None:
+                self._distrust(chan.tampered)
+            else:
+                self._reason = f"the agent did not start: {exc or 'timed out'}"
+                log.warning("%s: %s", label, self._reason)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await chan.aclose()
+            raise
+        else:
+            self._reason = None
+            if first:
+                self._first = chan
+                executable = chan.hello.executable if chan.hello is not None else ""
+                self._interpreter = executable if executable.startswith("/") else None
+            return chan
+        with anyio.CancelScope(shield=True):
+            await chan.aclose()
+        return None
+
+    async def _current(self) -> Channel | None:
+        """The channel to use for this call, restarting a dead one if allowed; ``None``
+        for the plain path."""
+        if not self.enabled or self._unsupported or self._closed or self._distrusted:
+            return None
+        chan = self._channel
+        if chan is not None:
+            if chan.usable:
+                return chan
+            if chan.foreign_loop:
+                return None  # another event loop (an atexit close, say): plain path
+        async with self._lock():
+            chan = self._channel
+            if chan is not None and chan.usable:
+                return chan
+            if chan is not None:
+                self._channel = None
+                await chan.aclose()
+                if chan.tampered is not None:
+                    self._distrust(chan.tampered)
+            if self._closed or self._distrusted or not self._may_restart():
+                return None
+            interpreter = None
+            if self._first is not None or self._served or self._fallbacks:
+                # Commands may have run since the first start: never search PATH again,
+                # and run the pinned interpreter only once its files are verified.
+                interpreter = await self._verified_interpreter()
+                if interpreter is None:
+                    return None
+            self._restart_count += 1
+            self._restarts.append(time.monotonic())
+            self._channel = await self._launch(interpreter)
+            return self._channel
+
+    def _lock(self) -> anyio.Lock:
+        key = id(current_loop())
+        lock = self._locks.get(key)
+        if lock is None:
+            self._locks = {key: (lock := anyio.Lock())}
+        return lock
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > self._restart_window:
+            self._restarts.popleft()
+        return len(self._restarts) < self._max_restarts
+
+    async def _retire(self, chan: Channel) -> None:
+        if self._channel is chan:
+            self._channel = None
+        with anyio.CancelScope(shield=True):
+            await chan.aclose()
+
+    async def _probe_dead(self) -> bool:
+        probe = self._hooks.probe_dead
+        if probe is None:
+            return False
+        try:
+            return await probe()
+        except SandboxError as exc:
+            log.debug("%s: liveness probe failed: %s", self._label(), exc)
+            return False
+
+    async def _tampered(
+        self, chan: Channel, what: str, pgid: int | None = None
+    ) -> ChannelTamperedError:
+        """The error for a request whose channel was tampered with (never retried through
+        a channel; the plain path serves later calls)."""
+        reason = chan.tampered or "tampered with"
+        self._distrust(reason)
+        with anyio.CancelScope(shield=True):
+            await self._retire_and_kill(chan, pgid)
+        return ChannelTamperedError(f"{self._label()}: during {what}: {reason}")
+
+    async def _retire_and_kill(self, chan: Channel, pgid: int | None) -> None:
+        """Retire a channel that failed a request, and kill the request's process group
+        (if it started one) through the backend's plain path, bounded."""
+        await self._retire(chan)
+        if pgid is not None:
+            with anyio.move_on_after(self._kill_wait):
+                try:
+                    await self._hooks.kill_group(pgid)
+                except SandboxError as exc:
+                    log.warning("%s: could not kill group %s: %s", self._label(), pgid, exc)
+
+    async def _failure(self, chan: Channel, what: str, pgid: int | None = None) -> SandboxError:
+        """The error for a non-idempotent request whose channel died under it."""
+        with anyio.CancelScope(shield=True):
+            await self._retire_and_kill(chan, pgid)
+            try:
+                dead = await self._hooks.lost_means_dead()
+            except SandboxError:
+                dead = False
+        if dead:
+            return SandboxUnavailableError(f"{self._label()} died during {what}")
+        said = chan.diagnostics()
+        return SandboxTransportError(
+            f"{self._label()}: the channel to the sandbox failed during {what}"
+            + (f" (agent said: {said})" if said else "")
+        )
+
+    async def _unsent(self, chan: Channel, plain: Callable[[], Awaitable[T]]) -> T:
+        """The channel died before the request left: nothing ran, the plain path may."""
+        await self._retire(chan)
+        self._served -= 1
+        self._fallbacks += 1
+        return await plain()
+
+    def _gone(self, what: str) -> SandboxUnavailableError:
+        return SandboxUnavailableError(f"{self._label()} stopped answering during {what}")
+
+    # ------------------------------------------------------------------ relay
+
+    @property
+    def can_relay(self) -> bool:
+        """Whether a relay may be asked for: the channel is enabled, the sandbox can run
+        the agent, and the channel is neither distrusted nor closed (a channel that is down
+        is restarted by :meth:`listen`)."""
+        return self.enabled and not self._unsupported and not self._closed and not self._distrusted
+
+    async def listen(self, target: tuple[str, int]) -> RelayListener:
+        """A listener on the sandbox's loopback relayed to ``target`` on the host.
+
+        Raises:
+            HostRouteError: the channel cannot serve (disabled, no python3, distrusted,
+                down) or the agent could not listen.
+            SandboxUnavailableError: the sandbox stopped answering.
+        """
+        chan = await self._current()
+        if chan is None:
+            state = self.info
+            raise HostRouteError(
+                f"{self._label()}: no channel to relay through (state {state.state!r}"
+                + (f": {state.reason}" if state.reason else "")
+                + ")",
+                via="channel",
+            )
+        try:
+            return await chan.listen(target)
+        except ChannelLost as lost:
+            await self._retire(chan)
+            raise HostRouteError(f"{self._label()}: {lost}", via="channel") from None
+        except SandboxGone:
+            await self._retire(chan)
+            raise self._gone("starting a relay") from None
+
+    # ------------------------------------------------------------------ routed calls
+
+    async def exec(
+        self,
+        request: ExecRequest,
+        sink: OutputSink,
+        plain: Callable[[], Awaitable[int]],
+        env: Mapping[str, str] | None = None,
+    ) -> int:
+        """Run through the channel, or ``plain()``. Errors as for ``Runtime._exec``."""
+        chan = await self._current()
+        if chan is None:
+            self._fallbacks += self.enabled
+            return await plain()
+        self._served += 1
+        what = f"exec of {request.argv[0]!r}"
+        try:
+            return await chan.exec(request, sink, env or {})
+        except ChannelRefused:
+            self._served -= 1
+            self._fallbacks += 1
+            return await plain()
+        except ChannelLost as lost:
+            if chan.tampered is not None:
+                raise await self._tampered(chan, what, lost.pgid) from None
+            if not lost.sent:
+                return await self._unsent(chan, plain)
+            raise await self._failure(chan, what, lost.pgid) from None
+        except SandboxGone:
+            await self._retire(chan)
+            raise self._gone(what) from None
+
+    async def read(self, path: str, limit: int, plain: Callable[[], Awaitable[bytes]]) -> bytes:
+        """Idempotent: a channel that dies under it hands over to ``plain()``."""
+        return await self._file_call(
+            lambda chan: chan.read(path, limit), plain, f"a read of {path!r}", idempotent=True
+        )
+
+    async def exists(self, path: str, plain: Callable[[], Awaitable[bool]]) -> bool:
+        """Idempotent: a channel that dies under it hands over to ``plain()``."""
+        return await self._file_call(
+            lambda chan: chan.exists(path), plain, f"a stat of {path!r}", idempotent=True
+        )
+
+    async def write(self, path: str, data: bytes, plain: Callable[[], Awaitable[None]]) -> None:
+        """Not idempotent: a channel that dies under it is a transport (or dead) error."""
+        await self._file_call(
+            lambda chan: chan.write(path, data), plain, f"a write of {path!r}", idempotent=False
+        )
+
+    async def remove(self, path: str, plain: Callable[[], Awaitable[None]]) -> None:
+        """Not idempotent: a channel that dies under it is a transport (or dead) error."""
+        await self._file_call(
+            lambda chan: chan.remove(path), plain, f"removing {path!r}", idempotent=False
+        )
+
+    async def _file_call(
+        self,
+        call: Callable[[Channel], Awaitable[T]],
+        plain: Callable[[], Awaitable[T]],
+        what: str,
+        *,
+        idempotent: bool,
+    ) -> T:
+        """Serve a file call through the channel, else ``plain()``. A channel lost under an
+        idempotent call hands over to ``plain()``; under another one, only if the request
+        was never sent (else a transport or dead error)."""
+        chan = await self._current()
+        if chan is None:
+            self._fallbacks += self.enabled
+            return await plain()
+        self._served += 1
+        try:
+            return await call(chan)
+        except ChannelLost as lost:
+            if chan.tampered is not None:
+                raise await self._tampered(chan, what) from None
+            if idempotent:
+                await self._retire(chan)
+                self._fallbacks += 1
+                return await plain()
+            if not lost.sent:
+                return await self._unsent(chan, plain)
+            raise await self._failure(chan, what) from None
+        except SandboxGone:
+            await self._retire(chan)
+            raise self._gone(what) from None

@@ -1,0 +1,16 @@
+"""The ``docker`` runtime: one container per sandbox, driven through the Engine API.
+
+The package: :mod:`.config` (:class:`DockerConfig`), :mod:`.client` (engine access),
+:mod:`.container` (making or finding the container), :mod:`.stream` (the hijacked exec
+connection), :mod:`.process` (one command: the wrapper's report, output and errors),
+:mod:`.files` (the archive API), :mod:`.agent` (the channel agent's transport and trust
+checks), :mod:`.network` (host routes), ``scripts/`` (the shell programs) and
+:mod:`.runtime` (:class:`DockerRuntime`).
+"""
+
+from .config import DEFAULT_IMAGE, DockerConfig
+from .network import _is_local_address as _is_local_address  # the old module's names
+from .network import gateway_from_route_table as gateway_from_route_table
+from .runtime import DockerRuntime
+
+__all__ = ["DEFAULT_IMAGE", "DockerConfig", "DockerRuntime"]

@@ -1,0 +1,172 @@
+"""The channel agent in a Docker container: its transport (an exec stream with stdin
+attached, see :mod:`runtimes.channel`) and the engine-side checks that its files and
+interpreter are still the image's before it (re)starts."""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+import socket
+from collections.abc import Mapping
+
+from ..channel import ChannelTransport, agent_command
+from ..errors import SandboxError
+from .client import _api_message, _blocking, _container_is_gone, _ContainerRef, gone_error
+from .stream import _STREAM_CHUNK, _hijack, _Hijacked
+
+
+class _AgentStream(ChannelTransport):
+    """The channel agent's exec stream (see :mod:`runtimes.channel`), for blocking use by
+    the channel's threads: the engine's 8-byte frame headers are stripped, stdout is the
+    agent's framed protocol, the tail of stderr is kept for failure messages."""
+
+    def __init__(self, hijacked: _Hijacked) -> None:
+        self._hijacked = hijacked
+        self._sock = hijacked.sock
+        self._raw = bytearray(hijacked.leftover)
+        self._stderr = bytearray()
+        with contextlib.suppress(OSError, AttributeError):
+            self._sock.settimeout(None)  # _buffered_bytes may have left it non-blocking
+
+    def recv(self) -> bytes:
+        while True:
+            out = self._demultiplex()
+            if out:
+                return out
+            data: bytes = self._sock.recv(_STREAM_CHUNK)
+            if not data:
+                return b""
+            self._raw += data
+
+    def _demultiplex(self) -> bytes:
+        raw = self._raw
+        out = bytearray()
+        pos = 0
+        while len(raw) - pos >= 8:
+            size = int.from_bytes(raw[pos + 4 : pos + 8], "big")
+            if len(raw) - pos - 8 < size:
+                break
+            payload = raw[pos + 8 : pos + 8 + size]
+            if raw[pos] == 2:
+                self._stderr += payload
+                del self._stderr[:-4096]
+            else:
+                out += payload
+            pos += 8 + size
+        del raw[:pos]
+        return bytes(out)
+
+    def send(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def try_send(self, data: bytes) -> int:
+        if type(self._sock) is not socket.socket:
+            return 0  # TLS or an ssh:// channel: the writer thread does it
+        try:
+            return self._sock.send(data, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(Exception):
+            self._sock.close()
+        with contextlib.suppress(Exception):
+            self._hijacked.response.close()
+
+    def diagnostics(self) -> str:
+        return self._stderr.decode("utf-8", "replace").strip()[-500:]
+
+
+_LIBRARY_DIRS = (
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/usr/lib",
+    "/usr/lib32",
+    "/usr/lib64",
+    "/usr/local/lib",
+)
+
+
+def _untrusted_change(changed: list[str], digests: Mapping[str, bytes]) -> str | None:
+    """Why the container's changes (sorted paths, the engine's diff) make the channel agent's
+    files untrustworthy, or ``None``."""
+    for path in changed:
+        if path in digests:
+            return f"{path} changed in the container"
+    # Leaves only: a directory listed because something under it changed says nothing.
+    parents = set()
+    for path in changed:
+        parent = posixpath.dirname(path)
+        while parent not in parents and parent != "/":
+            parents.add(parent)
+            parent = posixpath.dirname(parent)
+    for path in changed:
+        if path not in parents and _protected_system_path(path):
+            return f"{path} changed in the container"
+    return None
+
+
+def _protected_system_path(path: str) -> bool:
+    """A path whose change makes the channel agent's interpreter untrustworthy: a shared
+    library or the Python standard library (site-/dist-packages aside: ``-I -S`` never
+    imports from them), the dynamic loader's configuration, a ``python`` binary."""
+    if path.startswith("/etc/ld.so"):
+        return True
+    name = posixpath.basename(path)
+    if posixpath.dirname(path) in ("/bin", "/usr/bin", "/usr/local/bin") and name.startswith(
+        "python"
+    ):
+        return True
+    if not any(path == d or path.startswith(d + "/") for d in _LIBRARY_DIRS):
+        return False
+    return "/site-packages" not in path and "/dist-packages" not in path
+
+
+async def open_agent_stream(ref: _ContainerRef, interpreter: str | None) -> _AgentStream:
+    """Start the channel agent with stdin attached (as the sandbox's default user);
+    ``interpreter``: the absolute path pinned at the first start (no shell, no PATH).
+
+    Raises:
+        SandboxUnavailableError: the container is gone.
+        SandboxError: the engine refused to start the agent.
+    """
+    import docker.errors
+
+    api = ref.api
+
+    def open_stream() -> _Hijacked:
+        created = api.exec_create(
+            ref.id,
+            agent_command(interpreter),
+            stdin=True,
+            stdout=True,
+            stderr=True,
+            user=ref.config.user or "",
+            workdir="/",
+        )
+        return _hijack(api, str(created["Id"]))
+
+    try:
+        hijacked = await _blocking(open_stream, ref.config)
+    except docker.errors.APIError as exc:
+        if _container_is_gone(exc):
+            raise gone_error(ref, exc) from None
+        raise SandboxError(
+            f"{ref.describe}: the engine refused the channel agent: {_api_message(exc)}"
+        ) from exc
+    return _AgentStream(hijacked)
+
+
+def _untrusted_python(changed: list[str]) -> str | None:
+    """Why a container's changes (the engine's diff) make its ``python3`` untrustworthy for a
+    first agent: a system library changed, or any ``python*`` anywhere; else ``None``."""
+    reason = _untrusted_change(changed, {})
+    if reason is not None:
+        return reason
+    for path in changed:
+        if posixpath.basename(path).startswith("python"):
+            return f"{path} changed in the container (python3 on PATH may not be the image's)"
+    return None

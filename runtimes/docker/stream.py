@@ -1,0 +1,202 @@
+"""The hijacked exec connection of the ``docker`` runtime as an async byte stream.
+
+Commands run through ``exec_create`` + a hijacked ``exec_start`` connection: stdin goes out
+on it (then a half-close), the engine's framed stdout/stderr come back. A plain unix or TCP
+socket is driven by the event loop itself; a TLS socket or a paramiko channel (``ssh://``)
+through blocking calls in worker threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import socket
+import ssl
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from ..models import MiB
+from .client import _thread_limiter
+
+if TYPE_CHECKING:
+    import requests
+
+    from .process import _ExecOutput
+
+log = logging.getLogger("runtimes.docker")
+
+_STREAM_CHUNK = 256 * 1024
+_STDIN_CHUNK = 1 * MiB
+
+
+class _ExecStream:
+    """The hijacked exec connection as an async byte stream (stdin out, frames in)."""
+
+    async def receive(self) -> bytes:
+        """Next chunk, or ``b""`` once the engine closed the stream."""
+        raise NotImplementedError
+
+    async def send(self, data: bytes) -> bool:
+        """Send stdin bytes; ``False`` once the other side stopped reading."""
+        raise NotImplementedError
+
+    async def send_eof(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+
+class _SocketExecStream(_ExecStream):
+    """A plain unix or TCP socket, driven by the event loop itself (no threads)."""
+
+    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+        self._stream = stream
+
+    async def receive(self) -> bytes:
+        try:
+            return await self._stream.receive(_STREAM_CHUNK)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return b""
+
+    async def send(self, data: bytes) -> bool:
+        try:
+            await self._stream.send(data)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return False
+        return True
+
+    async def send_eof(self) -> None:
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await self._stream.send_eof()
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(OSError):
+            await self._stream.aclose()
+
+
+class _ThreadExecStream(_ExecStream):
+    """A TLS socket or a paramiko channel (ssh://): blocking calls in worker threads."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        with contextlib.suppress(OSError):
+            sock.settimeout(None)
+
+    async def receive(self) -> bytes:
+        try:
+            data: bytes = await anyio.to_thread.run_sync(
+                self._sock.recv, _STREAM_CHUNK, abandon_on_cancel=True, limiter=_thread_limiter()
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure of the connection ends the stream
+            log.debug("exec stream ended with %r", exc)
+            return b""
+        return data
+
+    async def send(self, data: bytes) -> bool:
+        try:
+            await anyio.to_thread.run_sync(
+                self._sock.sendall, data, abandon_on_cancel=True, limiter=_thread_limiter()
+            )
+        except Exception as exc:  # noqa: BLE001 - the command stopped reading stdin
+            log.debug("stdin not sent: %r", exc)
+            return False
+        return True
+
+    async def send_eof(self) -> None:
+        shutdown_write = getattr(self._sock, "shutdown_write", None)
+        try:
+            if shutdown_write is not None:
+                shutdown_write()
+            else:
+                self._sock.shutdown(socket.SHUT_WR)
+        except Exception as exc:  # noqa: BLE001 - the stream is already gone
+            log.debug("half-close failed: %r", exc)
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(Exception):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(Exception):
+            self._sock.close()
+
+
+@dataclass
+class _Hijacked:
+    """An exec that was started: its id, the HTTP response holding the connection, the
+    raw transport object and any stream bytes the HTTP layer had already buffered."""
+
+    exec_id: str
+    response: requests.Response
+    sock: Any
+    leftover: bytes
+
+
+def _hijack(api: Any, exec_id: str) -> _Hijacked:
+    """``exec_start`` on an upgraded connection; returns the raw socket (blocking)."""
+    sock = api.exec_start(exec_id, socket=True)
+    response = sock._response
+    raw = getattr(sock, "_sock", sock) if isinstance(sock, socket.SocketIO) else sock
+    return _Hijacked(exec_id, response, raw, _buffered_bytes(response, raw))
+
+
+def _buffered_bytes(response: requests.Response, raw: Any) -> bytes:
+    """Stream bytes the HTTP client read past the response headers, if any.
+
+    http.client reads the upgrade response through a buffered file; whatever the engine
+    sent right after the headers sits in that buffer and would be lost to a reader of
+    the raw socket. Read it without blocking.
+    """
+    fp = getattr(getattr(response.raw, "_fp", None), "fp", None)
+    if fp is None:
+        return b""
+    rbuffer = getattr(fp, "_rbuffer", None)  # paramiko's ChannelFile
+    if isinstance(rbuffer, bytes | bytearray):
+        data = bytes(rbuffer)
+        fp._rbuffer = type(rbuffer)()
+        return data
+    if not isinstance(fp, io.BufferedReader) or not isinstance(raw, socket.socket):
+        return b""
+    raw.setblocking(False)
+    try:
+        return fp.read1(_STREAM_CHUNK) or b""
+    except (BlockingIOError, ssl.SSLWantReadError):
+        return b""
+
+
+async def _open_exec_stream(hijacked: _Hijacked) -> _ExecStream:
+    raw = hijacked.sock
+    if type(raw) is socket.socket and raw.family == socket.AF_UNIX:
+        return _SocketExecStream(await anyio.abc.UNIXSocketStream.from_socket(raw))
+    if type(raw) is socket.socket and raw.family in (socket.AF_INET, socket.AF_INET6):
+        return _SocketExecStream(await anyio.abc.SocketStream.from_socket(raw))
+    return _ThreadExecStream(raw)
+
+
+async def _send_stdin(stream: _ExecStream, data: bytes) -> None:
+    view = memoryview(data)
+    for offset in range(0, len(view), _STDIN_CHUNK):
+        if not await stream.send(bytes(view[offset : offset + _STDIN_CHUNK])):
+            return
+    await stream.send_eof()
+
+
+async def _pump(stream: _ExecStream, output: _ExecOutput) -> None:
+    """Feed the stream to the output until the engine closes it or the sink is full
+    (then the sink has already cancelled the call)."""
+    while True:
+        chunk = await stream.receive()
+        if not chunk:
+            return
+        if not output.feed(chunk):
+            await anyio.lowlevel.checkpoint()
+
+
+async def _close_exec_stream(stream: _ExecStream, hijacked: _Hijacked) -> None:
+    await stream.aclose()
+    with contextlib.suppress(Exception):
+        hijacked.response.close()

@@ -1,0 +1,92 @@
+"""The ``modal`` runtime's config: :class:`ModalConfig`."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from ..config import RuntimeConfig, absolute_workdir
+from ..policy import DEFAULT_POLICY_USER, validate_policy_user
+
+__all__ = ["ModalConfig"]
+
+
+def _is_dockerfile(image: str) -> bool:
+    name = Path(image).name
+    return (
+        name == "Dockerfile"
+        or name.endswith((".Dockerfile", ".dockerfile"))
+        or ("/" in image and Path(image).is_file())
+    )
+
+
+class ModalConfig(RuntimeConfig):
+    """Config of the ``modal`` runtime.
+
+    ``image`` is a registry reference (``"python:3.11-slim"``) or the path of a local
+    Dockerfile (for example ``images/python/Dockerfile``; its directory is the build
+    context). ``timeout`` bounds the sandbox's whole life and ``idle_timeout`` its idle
+    time (seconds), so a crashed client never leaves a sandbox billing for a day. The
+    network is blocked unless ``block_network=False``; ``cidr_allowlist`` opens it to
+    those CIDRs only. ``secrets`` are names of Modal Secrets injected as environment
+    variables. ``tags`` are added to the session labels every sandbox carries as Modal
+    tags. ``max_live`` caps this process's live Modal sandboxes and
+    ``creations_per_second`` its creation rate; ``create_attempts`` bounds the retries
+    when Modal answers ``ResourceExhaustedError``.
+    """
+
+    type: Literal["modal"] = "modal"
+    workdir: str | None = "/work"
+    image: str = "python:3.11-slim"
+    app_name: str = Field(default="vf-sandbox", min_length=1)
+    environment: str | None = None
+    cpu: float | None = Field(default=None, gt=0)
+    memory: int | None = Field(default=None, gt=0, description="MiB")
+    gpu: str | None = None
+    timeout: int = Field(default=3600, ge=10, le=24 * 3600)
+    idle_timeout: int | None = Field(default=900, ge=10, le=24 * 3600)
+    region: str | list[str] | None = None
+    block_network: bool = True
+    cidr_allowlist: list[str] | None = None
+    secrets: list[str] = Field(default_factory=list)
+    tags: dict[str, str] = Field(default_factory=dict)
+    max_live: int | None = Field(default=None, ge=1)
+    creations_per_second: float | None = Field(default=None, gt=0)
+    create_attempts: int = Field(default=6, ge=1, le=20)
+    create_timeout: float = Field(default=600.0, gt=0)
+    policy_user: str | None = DEFAULT_POLICY_USER
+    channel: bool = Field(
+        default=True,
+        description="run commands and files through a persistent in-sandbox agent (python3)",
+    )
+
+    _plain_policy_user = field_validator("policy_user")(validate_policy_user)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _allowlist_opens_network(cls, data: Any) -> Any:
+        """``cidr_allowlist`` alone means "network on, but only to these"."""
+        if isinstance(data, dict) and data.get("cidr_allowlist") is not None:
+            if data.get("block_network") is True:
+                raise ValueError("cidr_allowlist needs block_network=False (it opens the network)")
+            data = {**data, "block_network": False}
+        return data
+
+    _absolute_workdir = field_validator("workdir")(absolute_workdir)
+
+    @field_validator("cidr_allowlist")
+    @classmethod
+    def _valid_cidrs(cls, value: list[str] | None) -> list[str] | None:
+        for cidr in value or []:
+            ipaddress.ip_network(cidr, strict=False)  # raises ValueError naming the bad one
+        return value
+
+    @field_validator("secrets")
+    @classmethod
+    def _named_secrets(cls, value: list[str]) -> list[str]:
+        if any(not name for name in value):
+            raise ValueError("secret names must not be empty")
+        return value

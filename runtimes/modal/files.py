@@ -1,0 +1,88 @@
+"""Files in a Modal sandbox: ``Sandbox.filesystem`` (``stat``, ``read_bytes``,
+``write_bytes``, ``remove``), reads too large for it or through a symlink streamed by ``cat``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import anyio
+
+from ..channel import verify_by_reading
+from ..errors import (
+    OutputLimitExceededError,
+    SandboxError,
+    SandboxFileExistsError,
+    SandboxFileNotFoundError,
+    SandboxIsADirectoryError,
+    SandboxNotADirectoryError,
+)
+from .client import _SdkRuntime, _TooLargeForFilesystemApi
+
+
+class _ModalFiles(_SdkRuntime):
+    """The part of :class:`~runtimes.modal.ModalRuntime` that reads and writes files."""
+
+    async def _read(self, path: str, limit: int) -> bytes:
+        info = await self._files("stat", path, path)
+        kind = getattr(info.type, "value", info.type)
+        if kind == "directory":
+            raise SandboxIsADirectoryError(path)
+        if kind == "symlink":
+            return await self._read_streamed(path, limit)
+        if info.size > limit:
+            raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
+        try:
+            data: bytes = await self._files("read_bytes", path, path)
+        except _TooLargeForFilesystemApi:
+            return await self._read_streamed(path, limit)
+        return data
+
+    async def _read_streamed(self, path: str, limit: int) -> bytes:
+        """Read through ``cat`` with a capped sink: follows symlinks, bounded memory."""
+        request, sink = self._internal(["cat", "--", path], limit=limit)
+        with anyio.CancelScope() as scope:
+            sink.on_overflow = scope.cancel
+            code = await self._exec(request, sink)
+        if sink.overflowed:
+            raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
+        if code != 0:
+            raise await self._diagnosed(
+                SandboxError(bytes(sink.stderr).decode("utf-8", "replace").strip()), "read", path
+            )
+        return bytes(sink.stdout)
+
+    async def _write(self, path: str, data: bytes) -> None:
+        await self._files("write_bytes", path, data, path)
+
+    async def _exists(self, path: str) -> bool:
+        try:
+            await self._files("stat", path, path)
+        except (SandboxFileNotFoundError, SandboxNotADirectoryError):
+            return False
+        return True
+
+    async def _remove(self, path: str) -> None:
+        try:
+            try:
+                await self._files("remove", path, path, recursive=False)
+            except SandboxFileExistsError:  # a non-empty directory: now, and only now, recurse
+                await self._files("remove", path, path, recursive=True)
+        except SandboxFileNotFoundError:
+            return  # removed meanwhile (or by an attempt whose answer was lost)
+
+    async def _verify_agent_files(self, digests: Mapping[str, bytes]) -> str | None:
+        """Before the channel agent restarts: the files the first agent ran from, read
+        again through the filesystem API (no command runs in the sandbox) and hashed."""
+
+        async def read(path: str) -> bytes | None:
+            try:
+                info = await self._files("stat", path, path)
+            except (SandboxFileNotFoundError, SandboxNotADirectoryError):
+                return None
+            kind = getattr(info.type, "value", info.type)
+            if kind != "file":
+                raise SandboxError(f"{path!r} is a {kind}, not the file it was")
+            data: bytes = await self._files("read_bytes", path, path)
+            return data
+
+        return await verify_by_reading(read, digests)

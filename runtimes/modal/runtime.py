@@ -1,0 +1,413 @@
+"""The ``modal`` runtime itself: :class:`ModalRuntime`, a Modal Sandbox created on start and
+terminated on close (its exec and file halves are in ``process.py`` and ``files.py``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
+from .. import limits, ownership
+from ..channel import ChannelHooks
+from ..config import RuntimeConfig
+from ..errors import (
+    ProvisioningError,
+    SandboxError,
+    SandboxTransportError,
+)
+from ..models import SandboxInfo
+from ..sweep import CLOCK_TICK_SCRIPT, MARK_VAR, sweep_argv
+from . import client
+from .client import (
+    KILL_TIMEOUT,
+    _call,
+    _collect,
+    _exception_module,
+    _is_transport_error,
+    _sweep_error,
+)
+from .config import ModalConfig, _is_dockerfile
+from .files import _ModalFiles
+from .process import _ModalExec
+
+log = logging.getLogger("runtimes.modal")
+
+CREATE_BACKOFF = (1.0, 30.0)
+"""First and longest wait (seconds) between creations Modal refused as resource-exhausted."""
+
+
+class ModalRuntime(_ModalExec, _ModalFiles):
+    """A Modal Sandbox: created on start, terminated on close.
+
+    Besides the errors every runtime method documents: a sandbox Modal terminated (its
+    ``timeout``, ``idle_timeout``, the dashboard, ``cleanup``) is
+    :class:`~runtimes.errors.SandboxUnavailableError` on every call, a failed channel to a
+    live one is :class:`~runtimes.errors.SandboxTransportError` (file operations and
+    ``alive`` are retried first), and a creation Modal refuses is
+    :class:`~runtimes.errors.ProvisioningError`.
+    """
+
+    name = "modal"
+    config_model = ModalConfig
+
+    def __init__(self, config: RuntimeConfig):
+        super().__init__(config)
+        self.config: ModalConfig
+        self._sandbox: Any = None
+        self._sandbox_id: str | None = None
+        self._started_at: int | None = None
+        """Clock tick at which the sandbox became ours: every process that started later
+        is a command's (``stop_processes``)."""
+
+    @property
+    def sandbox_id(self) -> str | None:
+        return self._sandbox_id
+
+    def _channel_hooks(self) -> ChannelHooks:
+        """The agent runs as one ``Sandbox.exec`` with stdin; a restart is verified by
+        reading the agent's files through the filesystem API."""
+        return ChannelHooks(
+            open_transport=self._open_agent,
+            kill_group=self._kill_group_plainly,
+            lost_means_dead=self._finished,
+            probe_dead=self._finished,
+            verify_agent=self._verify_agent_files,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _live_cap(self) -> int | None:
+        return self.config.max_live
+
+    async def _before_start(self) -> None:
+        """Create the Modal Sandbox (``start()`` then waits until it is ready).
+
+        Waiting for the creation rate and between retries is cancellable; each creation
+        call is shielded until its handle is captured (and bounded by ``create_timeout``),
+        and a sandbox created for a cancelled caller, or for a runtime closed meanwhile, is
+        terminated before the cancellation (or the refusal) propagates.
+
+        Raises:
+            ProvisioningError: Modal refused the sandbox (quota or capacity after
+                ``create_attempts`` tries, image build, missing secret, authentication,
+                invalid options), or it did not come up within ``create_timeout``.
+        """
+        try:
+            await self._create_sandbox()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._discard()
+            raise
+        if self.closed:  # closed while it was being created: start() refuses, nothing leaks
+            with anyio.CancelScope(shield=True):
+                await self._discard()
+
+    async def _discard(self) -> None:
+        """Terminate a sandbox created by a start that did not finish."""
+        sandbox, self._sandbox = self._sandbox, None
+        if sandbox is not None:
+            await self._terminate(sandbox)
+
+    async def _create_sandbox(self) -> None:
+        modal = client._modal()
+        errors = modal.exception
+        kwargs = await self._create_arguments(modal)
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(lambda e: isinstance(e, errors.ResourceExhaustedError)),
+            stop=stop_after_attempt(self.config.create_attempts),
+            wait=wait_random_exponential(multiplier=CREATE_BACKOFF[0], max=CREATE_BACKOFF[1]),
+            sleep=anyio.sleep,
+            before_sleep=lambda state: log.info(
+                "modal: capacity or rate limit, retrying creation (attempt %d)",
+                state.attempt_number,
+            ),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    await limits.creation_rate(self.name).wait(self.config.creations_per_second)
+                    await self._create_once(modal, kwargs)
+        except ProvisioningError:
+            raise
+        except errors.ResourceExhaustedError as exc:
+            raise ProvisioningError(
+                f"Modal refused the sandbox {self.config.create_attempts} times "
+                f"(quota, rate limit or capacity): {exc}"
+            ) from exc
+        except errors.AuthError as exc:
+            raise ProvisioningError(
+                f"Modal authentication failed (set MODAL_TOKEN_ID / MODAL_TOKEN_SECRET "
+                f"or run `modal token new`): {exc}"
+            ) from exc
+        except errors.Error as exc:
+            raise ProvisioningError(
+                f"Modal could not create the sandbox: {type(exc).__name__}: {exc}"
+            ) from exc
+        except Exception as exc:  # the SDK's own helpers (images, secrets) raise builtins too
+            raise ProvisioningError(
+                f"could not create the Modal sandbox: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def _create_once(self, modal: Any, kwargs: dict[str, Any]) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                with anyio.fail_after(self.config.create_timeout):
+                    sandbox = await _call(modal.Sandbox.create, **kwargs)
+            except TimeoutError as exc:
+                raise ProvisioningError(
+                    f"the Modal sandbox did not come up within {self.config.create_timeout:g}s"
+                ) from exc
+            self._sandbox = sandbox
+            self._sandbox_id = str(sandbox.object_id)
+
+    async def _create_arguments(self, modal: Any) -> dict[str, Any]:
+        cfg = self.config
+        try:
+            app = await _call(
+                modal.App.lookup,
+                cfg.app_name,
+                create_if_missing=True,
+                environment_name=cfg.environment,
+            )
+        except modal.exception.Error as exc:
+            raise ProvisioningError(
+                f"cannot look up the Modal app {cfg.app_name!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        kwargs: dict[str, Any] = {
+            "app": app,
+            "image": self._image(modal),
+            "tags": self._tags(),
+            "timeout": cfg.timeout,
+            "idle_timeout": cfg.idle_timeout,
+            "block_network": cfg.block_network,
+        }
+        if cfg.cidr_allowlist is not None:
+            kwargs["outbound_cidr_allowlist"] = list(cfg.cidr_allowlist)
+        if cfg.secrets:
+            kwargs["secrets"] = [modal.Secret.from_name(name) for name in cfg.secrets]
+        optional = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, "region": cfg.region}
+        kwargs.update({key: value for key, value in optional.items() if value is not None})
+        return kwargs
+
+    def _image(self, modal: Any) -> Any:
+        image = self.config.image
+        if _is_dockerfile(image):
+            path = Path(image)
+            if not path.is_file():
+                raise ProvisioningError(f"Dockerfile not found: {image}")
+            return modal.Image.from_dockerfile(str(path), context_dir=str(path.parent))
+        return modal.Image.from_registry(image)
+
+    def _tags(self) -> dict[str, str]:
+        extra = {**self.config.labels, **self.config.tags}
+        labels = ownership.session_labels(self.name, extra)
+        return {key: value for key, value in labels.items() if value}
+
+    async def _start(self) -> str:
+        workdir = self.config.workdir or "/work"
+        try:
+            await self._files("make_directory", workdir, workdir, create_parents=True)
+        except SandboxError as exc:
+            raise ProvisioningError(
+                f"{self.describe()}: cannot create the workdir {workdir!r}: {exc}"
+            ) from exc
+        await self._start_channel()
+        self._started_at = await self._clock_tick(workdir)
+        return workdir
+
+    async def _clock_tick(self, workdir: str) -> int:
+        """The sandbox's clock tick now (see :data:`~runtimes.base.CLOCK_TICK_SCRIPT`).
+
+        Raises:
+            ProvisioningError: the sandbox cannot run ``sh`` or has no ``/proc``.
+        """
+        request, sink = self._internal(["sh", "-c", CLOCK_TICK_SCRIPT])
+        code = await self._routed_exec(request, sink)
+        text = bytes(sink.stdout).decode("utf-8", "replace").strip()
+        if code != 0 or not text.isdigit():
+            detail = bytes(sink.stderr).decode("utf-8", "replace").strip()
+            raise ProvisioningError(f"{self.describe()}: cannot read /proc ({code}): {detail}")
+        return int(text)
+
+    def _sweep_argv(self) -> list[str]:
+        """Every process that started after the sandbox became ours: Modal gives the sandbox
+        a pid namespace of its own, so anything newer is a command's, however it detached
+        itself (``setsid``, ``env -i``). The channel agent's session is spared."""
+        mark = f"{MARK_VAR}={self._mark}"
+        if self._started_at is None:
+            return sweep_argv("mark", mark)
+        agent = self._channel_agent_pid()
+        return sweep_argv(f"since:{self._started_at}", mark, keep=agent)
+
+    async def _close(self) -> None:
+        sandbox, self._sandbox = self._sandbox, None
+        if sandbox is not None:
+            await self._terminate(sandbox)
+
+    async def _terminate(self, sandbox: Any) -> None:
+        """Terminate and detach; a failure is logged, not raised (see the module docs)."""
+        errors = _exception_module()
+        gone = (errors.NotFoundError, errors.ClientClosed, errors.ConflictError)
+        try:
+            with anyio.fail_after(KILL_TIMEOUT):
+                async for attempt in self._transport_retrying():
+                    with attempt:
+                        try:
+                            await _call(sandbox.terminate)
+                        except gone:
+                            pass
+                        except Exception as exc:
+                            if _is_transport_error(exc):
+                                raise SandboxTransportError(str(exc)) from exc
+                            raise
+        except Exception as exc:  # noqa: BLE001 - close must finish; the sandbox is tagged and bounded
+            log.warning(
+                "modal: could not terminate sandbox %s (%s: %s); it ends at its timeout "
+                "and `vf-sandbox cleanup` removes it",
+                self._sandbox_id,
+                type(exc).__name__,
+                exc,
+            )
+        try:
+            await _call(sandbox.detach)
+        except Exception as exc:  # noqa: BLE001 - only releases client-side resources
+            log.debug("modal: detach of %s failed: %r", self._sandbox_id, exc)
+
+    def _close_at_exit(self) -> None:
+        """The atexit backstop: terminate through the SDK's blocking interface (bounded)."""
+        self._close_channel_now()
+        sandbox, self._sandbox = self._sandbox, None
+        try:
+            if sandbox is not None:
+                self._terminate_blocking(sandbox)
+        finally:
+            self._mark_closed()
+
+    def _terminate_blocking(self, sandbox: Any) -> None:
+        """Terminate through the SDK's blocking interface, in a thread, bounded.
+
+        Raises:
+            SandboxError: the termination failed or did not answer in time.
+        """
+        failures: list[BaseException] = []
+
+        def terminate() -> None:
+            try:
+                sandbox.terminate()
+            except BaseException as exc:  # noqa: BLE001 - reported below, from the main thread
+                failures.append(exc)
+
+        worker = threading.Thread(target=terminate, name="vf-modal-atexit", daemon=True)
+        worker.start()
+        worker.join(KILL_TIMEOUT)
+        if worker.is_alive() or failures:
+            reason = repr(failures[0]) if failures else f"no answer in {KILL_TIMEOUT:g}s"
+            raise SandboxError(f"{self.describe()}: terminate at exit failed: {reason}")
+
+    def _route_hint(self) -> str:
+        return (
+            "A Modal sandbox reaches the host only through the channel (python3 in the image, "
+            "channel=True); otherwise expose the service yourself (a tunnel) and pass its URL"
+        )
+
+    async def _alive(self) -> bool:
+        sandbox = self._sandbox
+        if sandbox is None:
+            return False
+        errors = _exception_module()
+        async for attempt in self._transport_retrying():
+            with attempt:
+                try:
+                    code = await _call(sandbox.poll)
+                except (errors.NotFoundError, errors.ClientClosed, errors.ConflictError):
+                    return False
+                except Exception as exc:
+                    if _is_transport_error(exc):
+                        raise SandboxTransportError(
+                            f"{self.describe()}: liveness check failed: {exc}"
+                        ) from exc
+                    raise
+                return code is None
+        raise AssertionError("unreachable: tenacity reraises")
+
+    @property
+    def policy_user(self) -> str | None:
+        """``policy_user`` (``vf-policy`` by default), made on first use: Modal sandboxes
+        run as root, so the policy's account is always apart from the machinery's."""
+        return self.config.policy_user
+
+    # ------------------------------------------------------------------ sweeping
+
+    @classmethod
+    async def list_sandboxes(cls, config: RuntimeConfig | None = None) -> list[SandboxInfo]:
+        """Running Modal sandboxes of the config's app that carry vf-sandbox tags.
+
+        Without Modal credentials (no ``MODAL_TOKEN_ID`` and no ``~/.modal.toml`` token)
+        nothing is listed and Modal is not contacted.
+
+        Raises:
+            SandboxTransportError: Modal could not be reached.
+            SandboxError: Modal refused the listing.
+        """
+        cfg = config if isinstance(config, ModalConfig) else ModalConfig()
+        modal = client._modal()
+        if not modal.config.config.get("token_id"):
+            log.debug("modal: no credentials configured, nothing to list")
+            return []
+        errors = modal.exception
+        try:
+            app = await _call(
+                modal.App.lookup,
+                cfg.app_name,
+                create_if_missing=False,
+                environment_name=cfg.environment,
+            )
+            found = await _collect(
+                modal.Sandbox.list, app_id=app.app_id, tags={ownership.BACKEND: cls.name}
+            )
+            infos = []
+            for sandbox in found:
+                labels = await _call(sandbox.get_tags)
+                infos.append(
+                    SandboxInfo(
+                        backend=cls.name,
+                        id=str(sandbox.object_id),
+                        labels=dict(labels),
+                        state="running" if sandbox.returncode is None else "finished",
+                        created=labels.get(ownership.CREATED),
+                    )
+                )
+        except errors.NotFoundError:
+            return []  # no such app: nothing was ever created under it
+        except Exception as exc:
+            raise _sweep_error(exc, f"list sandboxes of app {cfg.app_name!r}") from exc
+        return infos
+
+    @classmethod
+    async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:
+        """Terminate one sandbox found by :meth:`list_sandboxes` (gone already is fine).
+
+        Raises:
+            SandboxTransportError: Modal could not be reached.
+            SandboxError: Modal refused to terminate it.
+        """
+        modal = client._modal()
+        errors = modal.exception
+        try:
+            sandbox = await _call(modal.Sandbox.from_id, info.id)
+            await _call(sandbox.terminate)
+            await _call(sandbox.detach)
+        except errors.NotFoundError:
+            return
+        except Exception as exc:
+            raise _sweep_error(exc, f"terminate sandbox {info.id}") from exc

@@ -1,0 +1,274 @@
+"""The base of :class:`~runtimes.ssh.SSHRuntime`: a runtime that keeps one SSH connection to its
+host. It reconnects when the connection dropped (re-requesting the reverse port forwards),
+retries idempotent calls a bounded number of times, and runs every blocking paramiko call
+(control scripts, SFTP, opening channels) in a worker thread under a capacity limiter."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from ..base import Runtime, State
+from ..config import RuntimeConfig
+from ..errors import (
+    ProvisioningError,
+    SandboxError,
+    SandboxInvalidArgumentError,
+    SandboxTransportError,
+    SandboxUnavailableError,
+)
+from .client import HostKeyVerificationError, _connect, _Connection
+from .config import SSHConfig
+from .control import _ControlScript, _run_control
+from .forward import _bridge, _Forward
+
+if TYPE_CHECKING:
+    import paramiko
+
+log = logging.getLogger("runtimes.ssh")
+
+T = TypeVar("T")
+
+_RETRY_ATTEMPTS = 3
+
+
+class _ConnectedRuntime(Runtime):
+    """A runtime on one SSH connection: reconnecting, retries, worker-thread calls, forwards."""
+
+    def __init__(self, config: RuntimeConfig):
+        super().__init__(config)
+        self.config: SSHConfig
+        self._conn: _Connection | None = None
+        self._accepted_keys: dict[str, bytes] = {}
+        self._forwards: dict[int, _Forward] = {}
+        self._connect_lock: anyio.Lock | None = None
+        self._sftp_lock: anyio.Lock | None = None
+        self._control_slots: anyio.Semaphore | None = None
+        self._call_limiter: anyio.CapacityLimiter | None = None
+
+    def _open_connection(self) -> _Connection:
+        return _Connection(_connect(self.config, self._accepted_keys), self.config.io_timeout)
+
+    # ------------------------------------------------------------------ connection
+
+    async def _connection(self) -> _Connection:
+        """The live connection, reconnecting first when it dropped.
+
+        Raises:
+            SandboxUnavailableError: the host cannot be reached or refuses us now.
+            HostKeyMismatchError: the host came back with another key.
+        """
+        conn = self._conn
+        if conn is not None and conn.usable():
+            return conn
+        assert self._connect_lock is not None
+        async with self._connect_lock:
+            conn = self._conn
+            if conn is not None and conn.usable():
+                return conn
+            if self._state not in (State.STARTING, State.OPEN, State.CLOSING):
+                raise SandboxUnavailableError(f"{self.describe()} is closed")
+            if conn is not None:
+                await anyio.to_thread.run_sync(conn.close)
+            self._conn = None
+            try:
+                conn = await self._thread(self._open_connection)
+            except HostKeyVerificationError:
+                raise
+            except ProvisioningError as exc:
+                raise SandboxUnavailableError(
+                    f"{self.describe()}: reconnecting failed: {exc}"
+                ) from exc
+            log.info("%s: reconnected", self.describe())
+            self._conn = conn
+            await self._restore_forwards(conn)
+            return conn
+
+    @staticmethod
+    def _connection_failed(conn: _Connection, exc: BaseException) -> bool:
+        """Whether ``exc`` means the connection (not the remote operation) failed."""
+        import paramiko
+
+        if isinstance(exc, EOFError | TimeoutError | paramiko.SSHException):
+            return True
+        return not conn.transport.is_active()
+
+    def _broken(self, conn: _Connection, what: str, exc: BaseException) -> SandboxTransportError:
+        conn.broken = True
+        reason = str(exc) or type(exc).__name__
+        return SandboxTransportError(
+            f"{self.describe()}: connection failed during {what}: {reason}"
+        )
+
+    async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._call_limiter)
+
+    async def _retrying(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Bounded retries of an idempotent call on SandboxTransportError (reconnecting)."""
+        from tenacity import (
+            AsyncRetrying,
+            retry_if_exception_type,
+            stop_after_attempt,
+            wait_exponential,
+        )
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(_RETRY_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            retry=retry_if_exception_type(SandboxTransportError),
+            sleep=anyio.sleep,
+            reraise=True,
+            before_sleep=lambda state: log.info(
+                "%s: retrying after %s",
+                self.describe(),
+                state.outcome and state.outcome.exception(),
+            ),
+        )
+        return await retrying(fn, *args)
+
+    async def _control(
+        self, script: _ControlScript, stdin: bytes | None = None, *, timeout: float | None = None
+    ) -> tuple[int, bytes, bytes]:
+        """Run a bookkeeping script on its own channel (not retried); ``timeout`` defaults
+        to ``io_timeout``."""
+        import paramiko
+
+        assert self._control_slots is not None
+        async with self._control_slots:
+            conn = await self._connection()
+            try:
+                return await self._thread(
+                    _run_control, conn.transport, script, stdin, timeout or self.config.io_timeout
+                )
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                raise self._broken(conn, "a control command", exc) from exc
+
+    async def _sftp_call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(sftp, *args)`` in a thread; SFTP clients are not thread-safe: one at a time."""
+        import paramiko
+
+        assert self._sftp_lock is not None
+        async with self._sftp_lock:
+            conn = await self._connection()
+
+            def call() -> T:
+                return fn(conn.sftp(), *args)
+
+            what = f"sftp {fn.__name__.lstrip('_')}"
+            try:
+                return await self._thread(call)
+            except SandboxError:
+                raise
+            except UnicodeEncodeError as exc:  # paramiko sends paths as strict UTF-8
+                raise SandboxInvalidArgumentError(
+                    f"{self.describe()}: SFTP takes only valid UTF-8 paths, not {exc.object!r}"
+                ) from None
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                if self._connection_failed(conn, exc) or conn.sftp_closed():
+                    raise self._broken(conn, what, exc) from exc
+                raise SandboxError(f"{self.describe()}: {what} failed: {exc}") from exc
+
+    async def _open_channel(self) -> tuple[_Connection, paramiko.Channel]:
+        import paramiko
+
+        conn = await self._connection()
+        try:
+            channel = await self._thread(
+                functools.partial(conn.transport.open_session, timeout=self.config.io_timeout)
+            )
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise self._broken(conn, "opening a channel", exc) from exc
+        return conn, channel
+
+    # ------------------------------------------------------------------ port forwarding
+
+    async def forward_remote(
+        self, local_port: int, remote_port: int = 0, *, local_host: str = "127.0.0.1"
+    ) -> int:
+        """Make ``127.0.0.1:<port>`` on the remote host reach ``local_host:local_port`` here.
+
+        A reverse (``ssh -R``) forward on this sandbox's connection, so a process in the
+        sandbox can reach a server on the host's loopback. It is re-established on
+        reconnect and ends with the runtime.
+
+        Returns:
+            The remote port (chosen by the server when ``remote_port`` is 0).
+
+        Raises:
+            SandboxError: the server refused the forward (``AllowTcpForwarding``, port in use).
+            SandboxTransportError: the connection failed.
+            SandboxUnavailableError: the sandbox is closed or its host is gone.
+        """
+        self._check_open()
+        if not 0 < local_port < 65536 or not 0 <= remote_port < 65536:
+            raise SandboxInvalidArgumentError(
+                f"invalid ports: local {local_port}, remote {remote_port}"
+            )
+        conn = await self._connection()
+        forward = _Forward(local_host, local_port)
+        bound = await self._request_forward(conn, remote_port, forward)
+        self._forwards[bound] = forward
+        return bound
+
+    async def cancel_forward_remote(self, remote_port: int) -> None:
+        """Stop a forward made by :meth:`forward_remote`. Unknown ports are ignored.
+
+        Raises:
+            SandboxUnavailableError: the sandbox is closed.
+        """
+        self._check_open()
+        if self._forwards.pop(remote_port, None) is None:
+            return
+        conn = self._conn
+        if conn is not None and conn.usable():
+            import paramiko
+
+            try:
+                await self._thread(conn.transport.cancel_port_forward, "127.0.0.1", remote_port)
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                raise self._broken(conn, "cancelling a port forward", exc) from exc
+
+    async def _request_forward(self, conn: _Connection, remote_port: int, forward: _Forward) -> int:
+        import paramiko
+
+        timeout = self.config.io_timeout
+
+        def handler(
+            channel: paramiko.Channel, origin: tuple[str, int], server: tuple[str, int]
+        ) -> None:
+            threading.Thread(
+                target=_bridge, args=(channel, forward, timeout), name="vf-ssh-forward", daemon=True
+            ).start()
+
+        try:
+            return await self._thread(
+                conn.transport.request_port_forward, "127.0.0.1", remote_port, handler
+            )
+        except paramiko.SSHException as exc:
+            if conn.transport.is_active():
+                raise SandboxError(
+                    f"{self.describe()}: the server refused to forward remote port {remote_port}: "
+                    f"{exc} (is AllowTcpForwarding enabled?)"
+                ) from exc
+            raise self._broken(conn, "a port forward request", exc) from exc
+        except (OSError, EOFError) as exc:
+            raise self._broken(conn, "a port forward request", exc) from exc
+
+    async def _restore_forwards(self, conn: _Connection) -> None:
+        for port, forward in list(self._forwards.items()):
+            try:
+                await self._request_forward(conn, port, forward)
+            except SandboxError as exc:
+                log.warning(
+                    "%s: could not restore the forward of remote port %s: %s",
+                    self.describe(),
+                    port,
+                    exc,
+                )
+                self._forwards.pop(port, None)
