@@ -332,7 +332,7 @@ def test_spooled_arguments(shell: str, tmp_path: Path) -> None:
 _KILLER = """f=$1
 : >"$f.cancel"
 if [ -s "$f.pgid" ]; then
-  read -r g <"$f.pgid" && kill -s KILL -- "-$g" 2>/dev/null
+  read -r g <"$f.pgid" && { kill -s KILL -- "$g" 2>/dev/null; kill -s KILL -- "-$g" 2>/dev/null; }
   rm -f "$f.pgid" "$f.cancel"
 fi
 """

@@ -142,16 +142,18 @@ if [ "$1" -gt 0 ]; then
   __vf_env=${__vf_found:-env}
 fi
 
-# The last step, in the process that becomes the command: record and report its group,
-# switch the user, apply the caller's environment (after which no variable is read), exec.
-# Arguments: control-file prefix, mode, nonce, env(1), how/with/who/gid, K, ENV.., ARGV...
+# The last step, in the process that becomes the command ($__vf_me: its pid): record and
+# report its group, switch the user, enter a session of its own ($__vf_pre: setsid, in the
+# wait and track modes), apply the caller's environment (after which no variable is read),
+# exec. Arguments: control-file prefix, mode, nonce, env(1), how/with/who/gid, K, ENV..,
+# ARGV...
 # shellcheck disable=SC2016  # expanded where it runs
 __vf_last='
 if [ "$2" = track ]; then
-  { printf "%s\n" "$$" >"$1.pgid"; } 2>/dev/null
+  { printf "%s\n" "$__vf_me" >"$1.pgid"; } 2>/dev/null
   [ -e "$1.cancel" ] && exit 137
 fi
-printf "vf-sandbox-%s:ok:%s\n" "$3" "$$" >&2
+printf "vf-sandbox-%s:ok:%s\n" "$3" "$__vf_me" >&2
 __vf_env=$4 __vf_how=$5 __vf_with=$6 __vf_who=$7 __vf_gid=$8 __vf_k=$9 __vf_code=
 shift 9
 while [ "$__vf_k" -gt 0 ]; do
@@ -164,12 +166,14 @@ case $__vf_how in
 setpriv) set -- "$__vf_with" --reuid="$__vf_who" --regid="$__vf_gid" --init-groups -- "$@" ;;
 runuser) set -- "$__vf_with" -u "$__vf_who" -- "$@" ;;
 esac
+[ -n "$__vf_pre" ] && set -- "$__vf_pre" -- "$@"
 eval "$__vf_code"
 exec "$@"'
 __vf_f=/tmp/.vf-sandbox/$__vf_n
 set -- "$__vf_f" "$__vf_mode" "$__vf_n" "$__vf_env" "$__vf_how" "$__vf_with" "$__vf_who" "$__vf_gid" "$@"
 
 if [ "$__vf_mode" = exec ]; then
+  __vf_me=$$ __vf_pre=
   eval "$__vf_last"
 fi
 
@@ -181,12 +185,20 @@ if [ "$__vf_mode" = track ] && [ ! -d /tmp/.vf-sandbox ]; then
   "${__vf_found:-mkdir}" -p -m 1777 /tmp/.vf-sandbox 2>/dev/null
 fi
 
-# The last step runs in /bin/sh under setsid: pid == pgid == sid (no fork: a background
-# job of a non-interactive shell is no group leader). A background job's stdin is
+# The last step runs in a background subshell that becomes the command through setsid:
+# pid == pgid == sid (setsid(1) does not fork: a background job of a non-interactive shell
+# is no group leader), and no other program starts on the way. Its pid is read from
+# /proc/self/stat by a builtin ($$ is the wrapper's). It reports that pid before setsid()
+# has run, so a kill signals the pid first, then the group: whichever state it finds, the
+# command cannot start unsignalled (the kill scripts do both). A background job's stdin is
 # /dev/null unless redirected: the command's stdin goes through fd 3. The wrapper keeps
 # the original stderr on fd 4 for the command and silences its own.
+__vf_pre=$__vf_setsid
 exec 3<&0 4>&2 2>/dev/null
-"$__vf_setsid" -- /bin/sh -c "$__vf_last" sh "$@" <&3 3<&- 2>&4 4>&- &
+(
+  read -r __vf_me __vf_rest </proc/self/stat || exit 126
+  eval "$__vf_last"
+) <&3 3<&- 2>&4 4>&- &
 exec 3<&- 4>&- </dev/null
 wait "$!"
 __vf_s=$?

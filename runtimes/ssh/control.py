@@ -51,8 +51,10 @@ def _setup_script(workdir: str | None) -> _ControlScript:
 
 
 def _kill_script(pgids: Iterable[int]) -> _ControlScript:
-    """Kill process groups."""
-    return _ControlScript("kill", tuple(f"-{int(pgid)}" for pgid in sorted(set(pgids))))
+    """Kill process groups: each leader's pid first (the wrapper reports it before setsid()
+    makes it a group), then the group."""
+    targets = [(str(int(pgid)), f"-{int(pgid)}") for pgid in sorted(set(pgids))]
+    return _ControlScript("kill", tuple(arg for pair in targets for arg in pair))
 
 
 def _orphan_kill_script(pgids: Iterable[int], marker: str) -> _ControlScript:

@@ -5,7 +5,8 @@
 f=/tmp/.vf-sandbox/$1
 : >"$f.cancel" 2>/dev/null
 if [ -s "$f.pgid" ]; then
-  read -r g <"$f.pgid" && kill -s KILL -- "-$g" 2>/dev/null
+  # The pid first (the wrapper records it before setsid() runs), then its group.
+  read -r g <"$f.pgid" && { kill -s KILL -- "$g" 2>/dev/null; kill -s KILL -- "-$g" 2>/dev/null; }
   rm -f "$f.pgid" "$f.cancel"
 fi
 exit 0
