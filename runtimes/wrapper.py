@@ -60,7 +60,8 @@ so pid == pgid, and the exit status is the program's). ``wait``: the command run
 ``setsid`` in a session of its own; the wrapper waits and exits with its status (128+N for
 a death by signal N); the report can come before ``setsid()`` has run, so a kill signals
 the reported pid, then its group. ``track``: ``wait``, plus the group id in
-``CONTROL_DIR/<nonce>.pgid`` and the cancel marker ``CONTROL_DIR/<nonce>.cancel`` (Modal's kill protocol)."""
+``CONTROL_DIR/<nonce>.pgid`` and the cancel marker ``CONTROL_DIR/<nonce>.cancel`` (Modal's
+kill protocol)."""
 
 UserSwitch = Literal["setpriv", "runuser"]
 """How root switches to ``user``: ``setpriv`` (falling back to ``runuser``) keeps the
