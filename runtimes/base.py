@@ -24,7 +24,7 @@ import logging
 import posixpath
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -48,7 +48,7 @@ from .errors import (
     SandboxUnavailableError,
 )
 from .lifecycle import State, live_runtimes
-from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
+from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo, Stream
 from .policy import PolicyAccount
 from .primitives import Primitives
 from .routes import HostRoute, RouteKind, channel_route, choose_route
@@ -289,6 +289,7 @@ class Runtime(Primitives):
         stdin: bytes | str | None = None,
         user: str | None = None,
         output_limit: int | None = None,
+        on_output: Callable[[Stream, bytes], object] | None = None,
     ) -> ExecResult:
         """Run ``argv`` (never a shell string) inside the sandbox and wait for it.
 
@@ -300,6 +301,10 @@ class Runtime(Primitives):
             stdin: bytes (or text, encoded as UTF-8) fed to the process, then closed.
             user: run as this user (backends that cannot switch raise ``SandboxPermissionError``).
             output_limit: cap on stdout + stderr together, bytes (default: the config's).
+            on_output: called on the event loop with ``("stdout" | "stderr", chunk)`` as
+                output arrives, in order within each stream; the chunks are exactly the
+                bytes the result holds. It runs inline: a slow callback slows the reader,
+                never grows memory. An exception it raises kills the tree and propagates.
 
         Returns:
             The exit code (``128 + N`` for a death by signal N) and byte-exact output.
@@ -331,13 +336,15 @@ class Runtime(Primitives):
                 through=self._policy_passage(),
             )
         started = time.monotonic()
-        sink = OutputSink(request.output_limit)
+        sink = OutputSink(request.output_limit, on_output=on_output)
         with anyio.CancelScope() as scope:
             sink.on_overflow = scope.cancel
             if timeout is not None:
                 scope.deadline = anyio.current_time() + timeout
             with self._guard("exec", request.argv[0]):
                 exit_code = await self._routed_exec(request, sink)
+        if sink.failure is not None:
+            raise sink.failure
         if sink.overflowed:
             raise OutputLimitExceededError(
                 f"output of {request.argv[0]!r}",

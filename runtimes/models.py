@@ -84,30 +84,48 @@ class OutputSink:
     exactly ``limit`` bytes in total, marks itself ``overflowed`` and calls
     ``on_overflow`` (the runtime uses it to cancel the call, which makes the backend
     kill the process tree). ``feed`` then returns ``False``: the backend may stop reading.
+
+    ``on_output``, when set, sees every kept chunk as it arrives, in order. If it raises,
+    the sink keeps the exception in ``failure`` and stops the call the same way.
     """
 
     limit: int
     on_overflow: Callable[[], None] = lambda: None
+    on_output: Callable[[Stream, bytes], object] | None = None
     stdout: bytearray = field(default_factory=bytearray)
     stderr: bytearray = field(default_factory=bytearray)
     overflowed: bool = False
+    failure: BaseException | None = None
 
     @property
     def size(self) -> int:
         return len(self.stdout) + len(self.stderr)
 
     def feed(self, stream: Stream, data: bytes) -> bool:
-        if self.overflowed:
+        if self.overflowed or self.failure is not None:
             return False
         buf = self.stdout if stream == "stdout" else self.stderr
         room = self.limit - self.size
+        kept = data if len(data) <= room else data[:room]
+        buf += kept
+        if kept and not self._passed_on(stream, kept):
+            return False
         if len(data) <= room:
-            buf += data
             return True
-        buf += data[:room]
         self.overflowed = True
         self.on_overflow()
         return False
+
+    def _passed_on(self, stream: Stream, data: bytes) -> bool:
+        if self.on_output is None:
+            return True
+        try:
+            self.on_output(stream, data)
+        except Exception as exc:  # noqa: BLE001 -- the caller's error, re-raised after the kill
+            self.failure = exc
+            self.on_overflow()
+            return False
+        return True
 
 
 @dataclass(frozen=True)

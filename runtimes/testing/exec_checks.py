@@ -131,6 +131,48 @@ async def check_cancellation_kills_tree(rt: Runtime) -> None:
 
 
 @check
+async def check_on_output_streams(rt: Runtime) -> None:
+    """``on_output`` sees each chunk while the command still runs; the chunks are the result."""
+    seen: list[tuple[float, str, bytes]] = []
+    result = await rt.exec(
+        ["sh", "-c", "printf 'first\\n'; sleep 1.5; printf 'err\\n' >&2; printf 'last\\n'"],
+        timeout=60,
+        on_output=lambda stream, data: seen.append((anyio.current_time(), stream, data)),
+    )
+    ended = anyio.current_time()
+    assert result.stdout_bytes == b"first\nlast\n" and result.stderr_bytes == b"err\n", result
+    assert b"".join(d for _, s, d in seen if s == "stdout") == result.stdout_bytes, seen
+    assert b"".join(d for _, s, d in seen if s == "stderr") == result.stderr_bytes, seen
+    first_at = next(t for t, s, d in seen if s == "stdout")
+    assert ended - first_at > 0.75, f"the first chunk came {ended - first_at:.2f}s before the end"
+
+
+class _CallbackFailed(Exception):
+    pass
+
+
+@check
+async def check_on_output_error_kills_tree(rt: Runtime) -> None:
+    """An exception raised by ``on_output`` kills the process tree and propagates as is."""
+    token = _token()
+
+    def refuse(stream: str, data: bytes) -> None:
+        raise _CallbackFailed(stream)
+
+    await _raises(
+        _CallbackFailed,
+        rt.exec(
+            ["sh", "-c", f"echo go; sleep {token} & sleep {token}; wait"],
+            timeout=60,
+            on_output=refuse,
+        ),
+    )
+    await _assert_no_process(rt, token)
+    result = await rt.exec(["echo", "still usable"])
+    assert result.stdout == "still usable\n", result
+
+
+@check
 async def check_fast_command_not_timed_out(rt: Runtime) -> None:
     """A command that finishes inside its timeout returns normally."""
     result = await rt.exec(["sh", "-c", "sleep 0.2; echo done"], timeout=20)
