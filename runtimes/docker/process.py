@@ -30,6 +30,8 @@ from .client import (
 )
 from .stream import _ExecStream, _hijack, _Hijacked
 
+_ENGINE_TEXT_MAX = 2000  # an error message, not the output of a shell that never reported
+
 
 @dataclass
 class _ExecOutput:
@@ -38,7 +40,8 @@ class _ExecOutput:
     Frames are ``[stream, 0, 0, 0, size (4 bytes, big-endian)] + payload``; stream 1 is
     stdout, 2 stderr. The wrapper reports on stderr before the command runs; stdout is held
     back until the report is in (the engine does not order stdout frames against stderr
-    frames). A stream that ends without a report carries the engine's error message.
+    frames), up to the output cap. A stream that ends without a report carries the
+    engine's error message.
     """
 
     sink: OutputSink
@@ -62,7 +65,9 @@ class _ExecOutput:
     @property
     def engine_text(self) -> str:
         """What the stream held instead of a report: the engine's error message."""
-        return (self.reader.held + bytes(self._held_stdout)).decode("utf-8", "replace").strip()
+        held = self.reader.held + bytes(self._held_stdout[:_ENGINE_TEXT_MAX])
+        text = held.decode("utf-8", "replace").strip()
+        return text if len(text) <= _ENGINE_TEXT_MAX else text[:_ENGINE_TEXT_MAX] + " [...]"
 
     def feed(self, chunk: bytes) -> bool:
         """Take raw stream bytes; ``False`` once the sink refuses more output."""
@@ -84,10 +89,16 @@ class _ExecOutput:
 
     def _route(self, kind: int, payload: bytes) -> bool:
         if kind != 2:
-            if self.reader.done:
+            if self.reader.done or self.reader.gave_up:
                 return self.sink.feed("stdout", payload)
             self._held_stdout += payload
-            return True
+            if len(self._held_stdout) <= self.sink.limit - self.sink.size:
+                return True
+            # A shell that never reports (a hostile /bin/sh) may not grow host memory: what
+            # is held counts against the cap, and the sink refuses it like any output.
+            held = bytes(self._held_stdout)
+            self._held_stdout.clear()
+            return self.sink.feed("stdout", held)
         was_done = self.reader.done
         stderr = self.reader.feed(payload)
         ok = True

@@ -34,7 +34,7 @@ ATTACKS = {
     4: "replaced channel agent / interpreter",
     5: "planted installed harness",
     6: "leftover process escapes the sweep",
-    7: "host memory through the channel",
+    7: "host memory through the channel or a stream",
     8: "subprocess close/cleanup follows symlinks",
     9: "subprocess close leaves setsid'd processes",
     10: "model relay abused by sandbox code",
