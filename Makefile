@@ -4,7 +4,7 @@
 #   make test                    everything CI does: venv + deps, Docker engine, images, lint, types, pytest
 #   make test PYTEST_ARGS='-k ssh -x'
 #   make images FORCE=1          rebuild the base image and all images/<name>/ images from scratch
-#   make demo | bench | lint | typecheck | clean | distclean
+#   make demo | bench | lint | typecheck | clean | distclean   (demo: no dev tools; DEMO_EXTRAS=all)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -21,7 +21,16 @@ export PIP_DISABLE_PIP_VERSION_CHECK ?= 1
 PYTHON ?= python3
 VENV := .venv
 VENV_PY := $(VENV)/bin/python
+# Two install sets, one stamp each: the dev set (`.[test]` + tests/plugins) for test/lint/typecheck,
+# the run set (the project with DEMO_EXTRAS, nothing else) for demo. The dev set contains the run set.
 STAMP := $(VENV)/.installed
+DEMO_EXTRAS ?= docker,ssh
+comma := ,
+RUN_STAMP := $(VENV)/.installed-run-$(subst $(comma),-,$(DEMO_EXTRAS))
+# pip's own output is the progress; setuptools' note on every editable install (folders named
+# like a package may shadow it) is filtered as the one expected warning.
+PIP_INSTALL := PYTHONWARNINGS='ignore:Editable installation' $(VENV_PY) -m pip install
+step = echo "==> $(1)"
 PLUGIN_PYPROJECTS := $(wildcard tests/plugins/*/pyproject.toml)
 PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(PLUGIN_PYPROJECTS))
 SRC_DIRS := runtimes harnesses placement
@@ -29,7 +38,7 @@ LINT_DIRS := $(SRC_DIRS) tests benchmarks
 IMAGES_FLAGS := $(if $(filter 1 yes true,$(FORCE)),--force,)
 PYTEST_ARGS ?=
 
-.PHONY: help venv install engine images shellcheck lint typecheck test demo bench clean distclean
+.PHONY: help venv install install-run engine images shellcheck lint typecheck test demo bench clean distclean
 
 help:
 	@sed -n '1,7s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
@@ -38,6 +47,7 @@ help:
 venv: $(VENV_PY)
 
 $(VENV_PY):
+	@$(call step,creating $(VENV) with $(PYTHON))
 	if ! $(PYTHON) -m venv $(VENV); then
 	  rm -rf $(VENV)
 	  if [ "$(PYTHON)" = python3 ] && [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
@@ -49,18 +59,42 @@ $(VENV_PY):
 	    echo "venv: '$(PYTHON) -m venv' failed (install python3-venv, or pass PYTHON=...)" >&2; exit 1
 	  fi
 	fi
-	$(VENV_PY) -m pip install --quiet --upgrade pip
+	$(call step,upgrading pip)
+	$(PIP_INSTALL) --upgrade pip
 
 install: $(STAMP)
 
+install-run: $(RUN_STAMP)
+
 # Re-run when the project's or a test plugin's pyproject.toml changes.
 $(STAMP): pyproject.toml $(PLUGIN_PYPROJECTS) | $(VENV_PY)
-	$(VENV_PY) -m pip install --quiet -e '.[test]' $(foreach d,$(PLUGIN_DIRS),-e ./$(d))
+	@$(call step,installing the dev set: vf-sandbox[test] + the test plugins under tests/plugins)
+	$(PIP_INSTALL) -e '.[test]' $(foreach d,$(PLUGIN_DIRS),-e ./$(d))
+	touch $@
+
+# An up-to-date dev set already holds the run set: then nothing is installed.
+$(RUN_STAMP): pyproject.toml | $(VENV_PY)
+	@if $(MAKE) --no-print-directory -q $(STAMP); then
+	  $(call step,the dev set in $(VENV) already holds vf-sandbox[$(DEMO_EXTRAS)])
+	else
+	  $(call step,installing vf-sandbox[$(DEMO_EXTRAS)] into $(VENV))
+	  $(PIP_INSTALL) -e '.[$(DEMO_EXTRAS)]'
+	fi
 	touch $@
 
 # --- Docker engine and offline images --------------------------------------------------------------------
+# engine also installs Debian's docker-registry (as root) when missing: the loopback registry
+# of the pull-policy tests (tests/docker/test_pull.py).
 engine:
 	bash images/engine.sh
+	if ! command -v docker-registry >/dev/null; then
+	  if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+	    apt-get install -y -q --no-install-recommends docker-registry </dev/null \
+	      || { apt-get update -q </dev/null && apt-get install -y -q --no-install-recommends docker-registry </dev/null; }
+	  else
+	    echo "engine: docker-registry is missing (apt-get install docker-registry); the pull tests need it" >&2
+	  fi
+	fi
 
 images: engine
 	bash images/build-base.sh $(IMAGES_FLAGS)
@@ -97,7 +131,8 @@ test: install images lint typecheck
 # The main job: judge the example rollout on the subprocess runtime. Offline, the judges'
 # model replies come from examples/scripted.json (labelled SCRIPTED in the output); with
 # OPENAI_BASE_URL set, the same code path calls that endpoint instead.
-demo: install
+demo: install-run
+	@$(call step,judging examples/rollout with examples/judges.yaml on the subprocess runtime)
 	$(VENV)/bin/vf-sandbox judge examples/rollout --judges examples/judges.yaml \
 	  --scripted examples/scripted.json --out agent-runs.json
 
@@ -106,7 +141,7 @@ bench: install images
 
 # --- housekeeping --------------------------------------------------------------------------------------------
 clean:
-	rm -f $(STAMP)
+	rm -f $(VENV)/.installed*
 	rm -rf .build
 
 distclean: clean

@@ -1,16 +1,24 @@
-"""The ``vf-sandbox`` command.
+"""The vf-sandbox command.
 
-Its main job is ``judge``: judge a recorded rollout with the judges of a file, print a
-verdict table and write every agent run as JSON. Other subcommands: ``check`` (the
-conformance suite against any backend), ``cleanup`` (sweep leaked sandboxes), ``ls``
-(labelled sandboxes of every backend), ``doctor`` (which backends work here, and why
-not), ``exec`` (one command in a fresh sandbox).
+Its main job is "judge": judge a recorded rollout with the judges of a file, print a
+verdict table and write every agent run as JSON. The other subcommands:
+
+  check    the conformance suite against any backend
+  cleanup  sweep leaked sandboxes
+  ls       labelled sandboxes of every backend
+  doctor   which backends work here, and why not
+  exec     one command in a fresh sandbox, like a local command
+  shell    an interactive shell inside a sandbox (one kept with exec --keep)
+
+Reporting commands take --json (one JSON document on stdout) and -v (full details).
+Exit codes and JSON schemas: docs/cli.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -19,58 +27,77 @@ from typing import Any
 
 import anyio
 
-from harnesses.errors import HarnessError, ModelError
+from harnesses.errors import HarnessConfigError, HarnessError, ModelConfigError, ModelError
 from runtimes import (
     RuntimeConfig,
+    RuntimeConfigError,
     SandboxError,
+    SandboxInvalidArgumentError,
     available_runtimes,
-    load_runtime_class,
-    open_runtime,
     resolve_runtime_config,
 )
-from runtimes.cleanup import cleanup_sandboxes
+from runtimes.cleanup import NOT_LISTABLE, cleanup_sandboxes, list_target
 
-from .errors import PlacementError
+from .cli_check import check_runtime, known_check, print_check_list
+from .cli_doctor import probe_all, target_name
+from .cli_exec import (
+    EXIT_BROKEN_PIPE,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    Interrupted,
+    parse_env,
+    run_exec,
+    run_interruptible,
+    strip_separator,
+)
+from .cli_output import package_version, print_json, print_table, shorten
+from .cli_shell import add_shell_command, keep_config, kept_notices
+from .errors import PlacementConfigError, PlacementError
+
+# Errors in what the user typed or wrote in a config file: exit 2, like argparse's own.
+USAGE_ERRORS = (
+    SandboxInvalidArgumentError,
+    PlacementConfigError,
+    HarnessConfigError,
+    ModelConfigError,
+)
+COMMAND_ERRORS = (SandboxError, PlacementError, HarnessError, ModelError)
+
+
+def parse_runtime_target(text: str) -> str | dict[str, Any]:
+    """A runtime given on the command line, unvalidated: a bare type name or a JSON object.
+
+    Raises:
+        RuntimeConfigError: the text starts like JSON but is not a JSON object.
+    """
+    stripped = text.strip()
+    if not stripped.startswith("{"):
+        return stripped
+    try:
+        data: dict[str, Any] = json.loads(stripped)  # starts with "{": an object or invalid
+    except json.JSONDecodeError as exc:
+        raise RuntimeConfigError(f"--runtime is not valid JSON: {exc}") from None
+    return data
 
 
 def parse_runtime(text: str) -> RuntimeConfig:
-    """A runtime given on the command line: a JSON object, or a bare type name."""
-    stripped = text.strip()
-    if stripped.startswith("{"):
-        try:
-            data: Any = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise SandboxError(f"--runtime is not valid JSON: {exc}") from None
-        return resolve_runtime_config(data)
-    return resolve_runtime_config(stripped)
+    """A runtime given on the command line, validated.
 
-
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    for n, row in enumerate(cells):
-        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
+    Raises:
+        RuntimeConfigError, UnknownRuntimeError, RuntimePluginError: as
+            :func:`runtimes.resolve_runtime_config`.
+    """
+    return resolve_runtime_config(parse_runtime_target(text))
 
 
 # ---------------------------------------------------------------------- check
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from runtimes.testing import run_conformance
-
-    config = parse_runtime(args.runtime)
-    outcomes = run_conformance(config, backend=args.backend, select=args.select or None)
-    print_table(
-        ["check", "result", "seconds", "detail"],
-        [(o.name, o.status.upper(), f"{o.seconds:.2f}", o.detail[:100]) for o in outcomes],
-    )
-    passed = sum(o.status == "pass" for o in outcomes)
-    failed = sum(o.status == "fail" for o in outcomes)
-    skipped = sum(o.status == "skip" for o in outcomes)
-    print(f"\n{config.type}: {passed} passed, {failed} failed, {skipped} skipped")
-    return 1 if failed or not outcomes else 0
+    if args.list:
+        return print_check_list(args)
+    return check_runtime(args, parse_runtime(args.runtime))
 
 
 # ---------------------------------------------------------------------- cleanup / ls
@@ -79,49 +106,99 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _targets(runtimes: list[str] | None) -> list[RuntimeConfig | str] | None:
     if not runtimes:
         return None
-    return [parse_runtime(r) if r.strip().startswith("{") else r for r in runtimes]
+    return [
+        r if isinstance(r, str) else resolve_runtime_config(r)
+        for r in map(parse_runtime_target, runtimes)
+    ]
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
     results = anyio.run(
+        run_interruptible,
         lambda: cleanup_sandboxes(
             _targets(args.runtime),
             all_sessions=args.all,
             older_than=args.older_than,
             dry_run=args.dry_run,
+            kept=args.kept,
+        ),
+    )
+    counts = {
+        action: sum(r.action == action for r in results)
+        for action in ("removed", "would remove", "failed", "kept")
+    }
+    if args.json:
+        rows = [
+            {"backend": r.info.backend, "id": r.info.id, "action": r.action, "reason": r.reason}
+            for r in results
+        ]
+        summary = {key.replace(" ", "_"): n for key, n in counts.items()}
+        print_json("cleanup", {"dry_run": args.dry_run, "results": rows, "summary": summary})
+    else:
+        print_table(
+            ["backend", "sandbox", "action", "reason"],
+            [
+                (r.info.backend, r.info.id, r.action, shorten(r.reason, args.verbose))
+                for r in results
+            ],
         )
-    )
-    print_table(
-        ["backend", "sandbox", "action", "reason"],
-        [(r.info.backend, r.info.id[:24], r.action, r.reason) for r in results],
-    )
-    removed = sum(r.action == "removed" for r in results)
-    failed = sum(r.action == "failed" for r in results)
-    print(f"\n{removed} removed, {failed} failed, {len(results) - removed - failed} kept")
-    return 1 if failed else 0
+        print("\n" + ", ".join(f"{n} {action}" for action, n in counts.items()))
+    return 1 if counts["failed"] else 0
+
+
+async def list_labelled(
+    targets: list[RuntimeConfig | str],
+) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Every labelled sandbox of ``targets``, and the backends that could not be listed."""
+    from runtimes import ownership
+
+    found: list[dict[str, Any]] = []
+    unlisted: list[dict[str, str]] = []
+    for target in targets:
+        name = target if isinstance(target, str) else target.type
+        try:
+            _, _, infos = await list_target(target)
+        except SandboxError as exc:
+            reason = str(exc) if str(exc) == NOT_LISTABLE else f"{type(exc).__name__}: {exc}"
+            print(f"{name}: not listed ({reason})", file=sys.stderr)
+            unlisted.append({"backend": name, "error": reason})
+            continue
+        for info in infos:
+            dead = ownership.session_is_dead(info.labels)
+            found.append(
+                {
+                    "backend": info.backend,
+                    "id": info.id,
+                    "state": info.state,
+                    "created": info.created,
+                    "session": {True: "dead", False: "alive", None: "unknown"}[dead],
+                    "kept": ownership.is_kept(info.labels),
+                    "labels": dict(info.labels),
+                }
+            )
+    return found, unlisted
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else ""
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from runtimes import ownership
-
-    async def gather() -> list[tuple[str, str, str, str, str]]:
-        rows = []
-        for target in _targets(args.runtime) or list(available_runtimes()):
-            config = None if isinstance(target, str) else target
-            name = target if isinstance(target, str) else target.type
-            try:
-                found = await load_runtime_class(name).list_sandboxes(config)
-            except SandboxError as exc:
-                print(f"{name}: not listed ({exc})", file=sys.stderr)
-                continue
-            for info in found:
-                dead = ownership.session_is_dead(info.labels)
-                status = {True: "dead", False: "alive", None: "unknown"}[dead]
-                rows.append((info.backend, info.id[:24], info.state, info.created or "", status))
-        return rows
-
-    rows = anyio.run(gather)
-    print_table(["backend", "sandbox", "state", "created", "session"], rows)
+    targets = _targets(args.runtime) or list(available_runtimes())
+    found, unlisted = anyio.run(run_interruptible, lambda: list_labelled(targets))
+    if args.json:
+        print_json("ls", {"sandboxes": found, "unlisted": unlisted})
+        return 0
+    headers = ["backend", "sandbox", "state", "created", "session", "kept"]
+    rows = [
+        [s["backend"], s["id"], s["state"], s["created"] or "", s["session"], _yes(s["kept"])]
+        for s in found
+    ]
+    if args.verbose:
+        headers.append("labels")
+        for row, s in zip(rows, found, strict=True):
+            row.append(",".join(f"{k}={v}" for k, v in sorted(s["labels"].items())))
+    print_table(headers, rows)
     return 0
 
 
@@ -129,37 +206,37 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    async def probe(name: str) -> tuple[str, str]:
-        try:
-            with anyio.fail_after(args.timeout):
-                async with open_runtime(name) as rt:
-                    result = await rt.exec(["true"], timeout=args.timeout)
-            return ("ok", f"exec exit {result.exit_code}")
-        except SandboxError as exc:
-            return ("unavailable", f"{type(exc).__name__}: {exc}".splitlines()[0][:120])
-        except TimeoutError:
-            return ("unavailable", f"no answer within {args.timeout}s")
-
-    rows = []
-    for name, plugin in available_runtimes().items():
-        status, why = anyio.run(probe, name)
-        rows.append((name, plugin.distribution, status, why))
-    print_table(["backend", "package", "status", "detail"], rows)
-    return 0
+    requested = [parse_runtime_target(r) for r in args.runtime or []]
+    targets: list[str | dict[str, Any]] = requested or list(available_runtimes())
+    rows = probe_all(targets, args.timeout)
+    ok = [row["status"] == "ok" for row in rows]
+    code = 0 if (all(ok) if requested else any(ok)) else 1
+    if args.json:
+        names = [target_name(t) for t in requested]
+        print_json("doctor", {"requested": names, "timeout": args.timeout, "backends": rows})
+    else:
+        print_table(
+            ["backend", "package", "status", "seconds", "detail"],
+            [
+                (
+                    r["name"],
+                    r["package"] or "-",
+                    r["status"],
+                    f"{r['seconds']:.1f}",
+                    shorten(r["detail"], args.verbose),
+                )
+                for r in rows
+            ],
+        )
+    return code
 
 
 # ---------------------------------------------------------------------- exec
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-    async def run() -> int:
-        async with open_runtime(parse_runtime(args.runtime)) as rt:
-            result = await rt.exec(args.argv, timeout=args.timeout)
-        sys.stdout.buffer.write(result.stdout_bytes)
-        sys.stderr.buffer.write(result.stderr_bytes)
-        return result.exit_code
-
-    return anyio.run(run)
+    with kept_notices():
+        return run_exec(keep_config(parse_runtime(args.runtime), args.keep), args)
 
 
 # ---------------------------------------------------------------------- judge
@@ -187,7 +264,8 @@ def cmd_judge(args: argparse.Namespace) -> int:
             flush=True,
         )
         return anyio.run(
-            lambda: judge_rollout(rollout, specs, models, runtime, progress, args.deadline)
+            run_interruptible,
+            lambda: judge_rollout(rollout, specs, models, runtime, progress, args.deadline),
         )
 
     if args.models:
@@ -198,7 +276,28 @@ def cmd_judge(args: argparse.Namespace) -> int:
         with scripted_models(judges, args.scripted) as (specs, models):
             runs = judge(specs, models, f"SCRIPTED model replies from {args.scripted}")
     else:
-        raise SandboxError("no model: pass --models FILE, set OPENAI_BASE_URL, or --scripted FILE")
+        raise PlacementConfigError(
+            "no model: pass --models FILE, set OPENAI_BASE_URL, or --scripted FILE"
+        )
+    out = Path(args.out)
+    out.write_text(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
+    print_judge_report(args, runtime.type, runs)
+    print(f"\nagent runs written to {out}", file=sys.stderr)
+    return 0 if all(r.ok for r in runs) else 1
+
+
+def print_judge_report(args: argparse.Namespace, runtime_type: str, runs: Sequence[Any]) -> None:
+    if args.json:
+        keys = ("name", "placement", "verdict", "error_type", "error", "seconds")
+        rows = [{"ok": r.ok, **{k: getattr(r, k) for k in keys}} for r in runs]
+        body = {
+            "rollout": str(args.rollout),
+            "runtime": runtime_type,
+            "out": str(args.out),
+            "runs": rows,
+        }
+        print_json("judge", body)
+        return
     print_table(
         ["judge", "placement", "verdict", "error"],
         [
@@ -206,31 +305,66 @@ def cmd_judge(args: argparse.Namespace) -> int:
                 r.name,
                 r.placement,
                 json.dumps(r.verdict) if r.verdict is not None else "-",
-                f"{r.error_type}: {r.error}"[:90] if r.error else "",
+                shorten(f"{r.error_type}: {r.error}", args.verbose) if r.error else "",
             )
             for r in runs
         ],
     )
-    out = Path(args.out)
-    out.write_text(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
-    print(f"\nagent runs written to {out}", file=sys.stderr)
-    return 0 if all(r.ok for r in runs) else 1
 
 
 # ---------------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vf-sandbox", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def reporting_options() -> argparse.ArgumentParser:
+    """``--json`` and ``-v``, shared by every listing and reporting command."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--json", action="store_true", help="print one JSON document on stdout (see docs/cli.md)"
+    )
+    parent.add_argument(
+        "-v", "--verbose", action="store_true", help="show details in full, never cut"
+    )
+    return parent
 
-    judge = sub.add_parser("judge", help="judge a recorded rollout (the main job)")
+
+def build_parser() -> argparse.ArgumentParser:
+    plain = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="vf-sandbox", description=__doc__, formatter_class=plain)
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {package_version()}",
+        help="print the installed vf-sandbox version and exit",
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="one of the commands below"
+    )
+    report = [reporting_options()]
+
+    def command(
+        name: str, summary: str, description: str = "", reporting: bool = False
+    ) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=summary,
+            description=description or summary,
+            formatter_class=plain,
+            parents=report if reporting else [],
+        )
+
+    judge = command("judge", "judge a recorded rollout (the main job)", reporting=True)
     judge.add_argument("rollout", help="rollout directory: task.json, trace.json, files/")
     judge.add_argument("--judges", required=True, help="YAML/JSON file of judge specs")
-    judge.add_argument("--runtime", default="subprocess", help="where the rollout's world lives")
+    judge.add_argument(
+        "--runtime",
+        default="subprocess",
+        help="where the rollout's world lives: a type name or a JSON config",
+    )
     judge.add_argument("--models", help="YAML/JSON model table")
     judge.add_argument("--scripted", help="offline: a JSON file of scripted replies per judge")
-    judge.add_argument("--out", default="agent-runs.json", help="where to write the runs")
+    judge.add_argument(
+        "--out", default="agent-runs.json", help="where to write the runs (default: %(default)s)"
+    )
     judge.add_argument(
         "--deadline",
         type=float,
@@ -239,44 +373,161 @@ def build_parser() -> argparse.ArgumentParser:
     )
     judge.set_defaults(func=cmd_judge)
 
-    check = sub.add_parser("check", help="run the conformance suite against a backend")
-    check.add_argument("--runtime", required=True, help="a type name or a JSON config")
-    check.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
-    check.add_argument("--select", action="append", help="run only this check (repeatable)")
+    check = command("check", "run the conformance suite against a backend", reporting=True)
+    what = check.add_mutually_exclusive_group(required=True)
+    what.add_argument("--runtime", help="the backend to check: a type name or a JSON config")
+    what.add_argument("--list", action="store_true", help="list the check names and exit")
+    check.add_argument(
+        "--backend",
+        default="asyncio",
+        choices=["asyncio", "trio"],
+        help="async library to run the checks on (default: %(default)s)",
+    )
+    check.add_argument(
+        "--select",
+        action="append",
+        type=known_check,
+        metavar="CHECK",
+        help="run only this check (repeatable; names from --list)",
+    )
     check.set_defaults(func=cmd_check)
 
-    cleanup = sub.add_parser("cleanup", help="remove sandboxes whose session is dead")
-    cleanup.add_argument("--runtime", action="append", help="type name or JSON config (repeatable)")
-    cleanup.add_argument("--all", action="store_true", help="remove every labelled sandbox")
-    cleanup.add_argument("--older-than", type=float, metavar="SECONDS")
-    cleanup.add_argument("--dry-run", action="store_true")
+    cleanup = command("cleanup", "remove sandboxes whose session is dead", reporting=True)
+    cleanup.add_argument(
+        "--runtime",
+        action="append",
+        help="type name or JSON config (repeatable; default: every backend)",
+    )
+    cleanup.add_argument(
+        "--all", action="store_true", help="remove every labelled sandbox, live sessions too"
+    )
+    cleanup.add_argument(
+        "--older-than",
+        type=float,
+        metavar="SECONDS",
+        help="also remove sandboxes created more than SECONDS ago",
+    )
+    cleanup.add_argument(
+        "--dry-run", action="store_true", help="report what would be removed, remove nothing"
+    )
+    cleanup.add_argument(
+        "--kept", action="store_true", help="also remove sandboxes kept with keep=True/--keep"
+    )
     cleanup.set_defaults(func=cmd_cleanup)
 
-    ls = sub.add_parser("ls", help="list labelled sandboxes of every backend")
-    ls.add_argument("--runtime", action="append")
+    ls = command("ls", "list labelled sandboxes of every backend", reporting=True)
+    ls.add_argument(
+        "--runtime",
+        action="append",
+        help="type name or JSON config (repeatable; default: every backend)",
+    )
     ls.set_defaults(func=cmd_ls)
 
-    doctor = sub.add_parser("doctor", help="which backends work on this machine, and why not")
-    doctor.add_argument("--timeout", type=float, default=60.0)
+    doctor = command(
+        "doctor",
+        "which backends work on this machine, and why not",
+        "Probe backends in parallel: start a sandbox and run `true` in it.\n"
+        "Exit 1 when a requested (--runtime) backend is unavailable; without --runtime,\n"
+        "every registered backend is probed and the exit is 1 only if none works.",
+        reporting=True,
+    )
+    doctor.add_argument(
+        "--runtime",
+        action="append",
+        help="probe only this backend: type name or JSON config (repeatable)",
+    )
+    doctor.add_argument(
+        "--timeout",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="per-backend bound (default: %(default)s)",
+    )
     doctor.set_defaults(func=cmd_doctor)
 
-    exec_ = sub.add_parser("exec", help="run one command in a fresh sandbox")
-    exec_.add_argument("--runtime", default="subprocess")
-    exec_.add_argument("--timeout", type=float)
-    exec_.add_argument("argv", nargs=argparse.REMAINDER)
+    exec_ = command(
+        "exec",
+        "run one command in a fresh sandbox",
+        "Run ARGV in a fresh sandbox, then remove it. Piped stdin is forwarded, output is\n"
+        "streamed as it comes. Exit: the command's code; 124 timeout, 126 not executable,\n"
+        "127 not found, 130 Ctrl-C, 2 usage, 1 other errors.\n\n"
+        "example: vf-sandbox exec --env A=1 -- sh -c 'echo $A'",
+    )
+    exec_.add_argument(
+        "--runtime",
+        default="subprocess",
+        help="a type name or a JSON config (default: %(default)s)",
+    )
+    exec_.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="kill the command's process tree after SECONDS (exit 124)",
+    )
+    exec_.add_argument(
+        "--env",
+        action="append",
+        type=parse_env,
+        metavar="NAME=VALUE",
+        help="set a variable for the command (repeatable)",
+    )
+    exec_.add_argument(
+        "--cwd", help="working directory: absolute, or relative to the sandbox workdir"
+    )
+    exec_.add_argument("--user", help="run as this user inside the sandbox")
+    exec_.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the sandbox running afterwards (its id and `vf-sandbox shell` on stderr)",
+    )
+    exec_.add_argument(
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="-- ARGV",
+        help="the command and its arguments, after the first --",
+    )
     exec_.set_defaults(func=cmd_exec)
+    add_shell_command(command)
     return parser
 
 
+def report_error(exc: BaseException) -> None:
+    print(f"vf-sandbox: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "argv", None) is not None:
-        args.argv = [a for a in args.argv if a != "--"] if args.argv[:1] == ["--"] else args.argv
+    """Run one command; returns its exit status (table in docs/cli.md).
+
+    vf-sandbox, placement, harness and model errors, Ctrl-C and a closed stdout become
+    exit statuses with a one-line message, never a traceback; usage errors exit 2 through
+    argparse (``SystemExit``).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # paramiko logs a failed handshake's traceback from its own thread; the SSH backend
+    # already turns it into a typed one-line error.
+    logging.getLogger("paramiko").setLevel(logging.CRITICAL)
+    if args.command == "exec":
+        args.argv = strip_separator(args.argv)
+        if not args.argv:
+            parser.error(
+                "exec: no command given (argv is empty): vf-sandbox exec [OPTIONS] -- ARGV..."
+            )
     try:
         code: int = args.func(args)
-    except (SandboxError, PlacementError, HarnessError, ModelError) as exc:
-        print(f"vf-sandbox: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+    except (Interrupted, KeyboardInterrupt):
+        print("vf-sandbox: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`| head`): stay quiet, like a local command killed by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except USAGE_ERRORS as exc:
+        report_error(exc)
+        return EXIT_USAGE
+    except COMMAND_ERRORS as exc:
+        report_error(exc)
+        return EXIT_ERROR
     return code
 
 

@@ -47,6 +47,7 @@ from .errors import (
     SandboxInvalidArgumentError,
     SandboxUnavailableError,
 )
+from .keep import Keeping, announce_kept
 from .lifecycle import State, live_runtimes
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo, Stream
 from .policy import PolicyAccount
@@ -61,7 +62,7 @@ T = TypeVar("T")
 _write_local_file = write_local_file  # the name backends imported before the split
 
 
-class Runtime(Primitives):
+class Runtime(Primitives, Keeping):
     """One sandbox, as an async context manager.
 
     ``async with SomeRuntime(config) as rt:`` creates the sandbox, and leaving the block
@@ -85,6 +86,7 @@ class Runtime(Primitives):
                 f"got {type(config).__name__}"
             )
         self.config = config
+        self._check_keep()
         self._state = State.NEW
         self._workdir: str | None = None
         self._mark = uuid.uuid4().hex
@@ -134,6 +136,7 @@ class Runtime(Primitives):
             with anyio.CancelScope(shield=True):
                 self._workdir = await self._start()
                 self._state = State.OPEN
+                self._keep = self.config.keep
                 lifecycle.hold(self)
             await anyio.lowlevel.checkpoint()
         except BaseException:
@@ -167,9 +170,10 @@ class Runtime(Primitives):
             limits.live_cap(self.name).release()
 
     async def close(self) -> None:
-        """Destroy the sandbox (or release a borrowed one). Idempotent and shielded.
+        """Destroy the sandbox (release a borrowed one, leave a ``keep=True`` one: :mod:`.keep`).
 
-        Safe to call twice, from a cancelled task, or on a runtime that never started.
+        Idempotent and shielded: safe to call twice, from a cancelled task, or on a runtime
+        that never started.
 
         Raises:
             SandboxTransportError: the backend could not confirm the sandbox is gone;
@@ -184,7 +188,7 @@ class Runtime(Primitives):
             try:
                 if was in (State.STARTING, State.OPEN):
                     await self._close_channel()
-                    if self._orphans and self._keeps_sandbox():
+                    if self._orphans and (self._keeps_sandbox() or self._keep):
                         await self._kill_orphans()
                     await self._close()
             finally:
@@ -197,6 +201,9 @@ class Runtime(Primitives):
         self._state = State.CLOSED
         lifecycle.release(self)
         self._release_live_slot()
+        if self._keep:
+            self._keep = False  # announced once
+            announce_kept(self)
 
     async def _close_quietly(self) -> None:
         try:
@@ -316,6 +323,8 @@ class Runtime(Primitives):
             ExecTimeoutError: ``timeout`` expired; the tree was killed; partial output attached.
             OutputLimitExceededError: output went over the cap; the tree was killed;
                 the output kept so far is attached.
+            SandboxResourceError: the sandbox's memory limit killed the command (where the
+                backend can tell: docs/resources.md); the output so far is attached.
             SandboxFileNotFoundError: the program or ``cwd`` does not exist.
             SandboxPermissionError: the program is not executable, or ``user`` is refused.
             SandboxNotADirectoryError: ``cwd`` is not a directory.

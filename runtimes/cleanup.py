@@ -3,7 +3,9 @@
 A sandbox is swept when its labels say the session that created it is dead (its
 process is gone from this host), or unconditionally with ``all_sessions=True``, or when
 it is older than ``older_than`` seconds. Sandboxes of live sessions, and of sessions on
-other hosts whose liveness cannot be checked from here, are left alone by default.
+other hosts whose liveness cannot be checked from here, are left alone by default. A
+sandbox kept on purpose (``keep=True``, :func:`runtimes.ownership.is_kept`) is left alone
+whatever its session or age, unless ``kept=True`` (``cleanup --kept``) or ``all_sessions``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import datetime as _dt
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import ownership
 from .config import RuntimeConfig
@@ -20,7 +22,41 @@ from .errors import SandboxError
 from .models import SandboxInfo
 from .registry import available_runtimes, load_runtime_class, resolve_runtime_config
 
+if TYPE_CHECKING:
+    from .base import Runtime
+
 log = logging.getLogger("runtimes.cleanup")
+
+NOT_LISTABLE = (
+    "the backend does not implement list_sandboxes: its sandboxes cannot be listed or swept"
+)
+
+
+def lists_sandboxes(cls: type[Runtime]) -> bool:
+    """Whether a backend overrides :meth:`Runtime.list_sandboxes` (the base's finds nothing,
+    which must not read as "no sandboxes")."""
+    from .base import Runtime
+
+    return getattr(cls.list_sandboxes, "__func__", None) is not getattr(
+        Runtime.list_sandboxes, "__func__", None
+    )
+
+
+async def list_target(
+    target: str | RuntimeConfig,
+) -> tuple[type[Runtime], RuntimeConfig | None, list[SandboxInfo]]:
+    """The backend class of ``target`` (a type name or a config), the config to list it
+    with (``None``: its default place) and its labelled sandboxes.
+
+    Raises:
+        SandboxError: the backend cannot be loaded or reached, or cannot list at all
+            (:data:`NOT_LISTABLE`): never an empty list that would read as "nothing leaked".
+    """
+    config = None if isinstance(target, str) else target
+    cls = load_runtime_class(target if isinstance(target, str) else target.type)
+    if not lists_sandboxes(cls):
+        raise SandboxError(NOT_LISTABLE)
+    return cls, config, await cls.list_sandboxes(config)
 
 
 @dataclass(frozen=True)
@@ -31,10 +67,12 @@ class SweepResult:
 
 
 def _should_sweep(
-    labels: Mapping[str, str], all_sessions: bool, older_than: float | None
+    labels: Mapping[str, str], all_sessions: bool, older_than: float | None, kept: bool = False
 ) -> tuple[bool, str]:
     if all_sessions:
         return True, "--all"
+    if ownership.is_kept(labels):
+        return (True, "kept, --kept") if kept else (False, "kept (keep=True)")
     if older_than is not None:
         created = ownership.created_at(labels)
         if created is not None:
@@ -55,6 +93,7 @@ async def cleanup_sandboxes(
     all_sessions: bool = False,
     older_than: float | None = None,
     dry_run: bool = False,
+    kept: bool = False,
 ) -> list[SweepResult]:
     """Find labelled sandboxes on each backend and remove those that leaked.
 
@@ -62,24 +101,23 @@ async def cleanup_sandboxes(
     example a Docker ``base_url``); by default every registered backend is swept with
     its default config. A backend that cannot be reached is logged and skipped, never
     fatal for the others. The current session's own sandboxes are kept unless
-    ``all_sessions``.
+    ``all_sessions``. Kept sandboxes (``keep=True``) are removed only with ``kept`` (of
+    any session, this one's included) or ``all_sessions``.
     """
     results: list[SweepResult] = []
     targets = list(backends) if backends is not None else list(available_runtimes())
     for target in targets:
-        config = None if isinstance(target, str) else resolve_runtime_config(target)
-        type_name = target if isinstance(target, str) else config.type  # type: ignore[union-attr]
+        resolved = target if isinstance(target, str) else resolve_runtime_config(target)
         try:
-            cls = load_runtime_class(type_name)
-            found = await cls.list_sandboxes(config)
+            cls, config, found = await list_target(resolved)
         except SandboxError as exc:
-            log.warning("cleanup: skipping backend %s: %s", type_name, exc)
+            name = resolved if isinstance(resolved, str) else resolved.type
+            log.warning("cleanup: skipping backend %s: %s", name, exc)
             continue
         for info in found:
-            sweep, reason = _should_sweep(info.labels, all_sessions, older_than)
-            if not sweep or (
-                info.labels.get(ownership.SESSION) == ownership.SESSION_ID and not all_sessions
-            ):
+            sweep, reason = _should_sweep(info.labels, all_sessions, older_than, kept)
+            own = info.labels.get(ownership.SESSION) == ownership.SESSION_ID
+            if not sweep or (own and not all_sessions and not ownership.is_kept(info.labels)):
                 results.append(SweepResult(info, "kept", reason))
                 continue
             if dry_run:

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from .errors import SandboxInvalidArgumentError
 from .models import DEFAULT_OUTPUT_LIMIT, DEFAULT_READ_LIMIT
+from .resources import ResourceLimits
 
 
-class RuntimeConfig(BaseModel):
-    """Fields every backend understands.
+class RuntimeConfig(ResourceLimits):
+    """Fields every backend understands (the resource limits ``cpus``, ``memory`` and
+    ``pids_limit`` from :class:`~runtimes.resources.ResourceLimits`, refused by a backend that
+    cannot enforce them; ``docs/resources.md``).
 
     ``workdir`` is the sandbox's working directory: relative paths resolve against it and
     it is the default ``cwd``. ``None`` lets the backend choose (a private directory).
+    ``keep`` (for debugging): ``close()`` releases everything host-side but leaves the sandbox,
+    and what runs in it, for ``vf-sandbox shell ID``; ``vf-sandbox cleanup --kept`` removes it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -30,6 +35,7 @@ class RuntimeConfig(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     output_limit: int = Field(default=DEFAULT_OUTPUT_LIMIT, gt=0)
     read_limit: int = Field(default=DEFAULT_READ_LIMIT, gt=0)
+    keep: bool = Field(default=False, description="leave the sandbox running after close()")
 
     def is_local(self) -> bool:
         """Whether the sandbox shares the host's network namespace (and so its loopback)."""

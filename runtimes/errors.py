@@ -30,6 +30,7 @@ __all__ = [
     "SandboxIsADirectoryError",
     "SandboxNotADirectoryError",
     "SandboxPermissionError",
+    "SandboxResourceError",
     "SandboxTransportError",
     "SandboxUnavailableError",
     "UnsafeArchiveMemberError",
@@ -105,7 +106,22 @@ class SandboxInvalidArgumentError(SandboxError, ValueError):
     """An argument can never be valid: a NUL byte in a path, an empty argv, a bad env name."""
 
 
-class ExecTimeoutError(SandboxError, TimeoutError):
+class _CarriesOutput:
+    """An error that holds a command's output so far, as bytes and as text."""
+
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", "replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", "replace")
+
+
+class ExecTimeoutError(_CarriesOutput, SandboxError, TimeoutError):
     """``exec(timeout=...)`` expired, or the awaiting task was cancelled mid-exec.
 
     The whole process tree inside the sandbox was killed before this was raised.
@@ -127,19 +143,11 @@ class ExecTimeoutError(SandboxError, TimeoutError):
             f"command {_short_argv(argv)} timed out after {timeout}s; process tree killed"
         )
 
-    @property
-    def stdout(self) -> str:
-        return self.stdout_bytes.decode("utf-8", "replace")
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_bytes.decode("utf-8", "replace")
-
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.argv, self.timeout, self.stdout_bytes, self.stderr_bytes))
 
 
-class OutputLimitExceededError(SandboxError):
+class OutputLimitExceededError(_CarriesOutput, SandboxError):
     """Output of an exec, or the content of a read, went over its cap.
 
     For exec the process tree was killed; ``stdout_bytes`` / ``stderr_bytes`` hold the
@@ -163,14 +171,6 @@ class OutputLimitExceededError(SandboxError):
         self.path = path
         super().__init__(f"{what} exceeded the limit of {limit} bytes")
 
-    @property
-    def stdout(self) -> str:
-        return self.stdout_bytes.decode("utf-8", "replace")
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_bytes.decode("utf-8", "replace")
-
     def __reduce__(self) -> tuple[object, ...]:
         return (
             _rebuild_output_limit,
@@ -182,6 +182,58 @@ def _rebuild_output_limit(
     what: str, limit: int, out: bytes, err: bytes, path: str | None
 ) -> OutputLimitExceededError:
     return OutputLimitExceededError(what, limit, stdout_bytes=out, stderr_bytes=err, path=path)
+
+
+class SandboxResourceError(_CarriesOutput, SandboxError):
+    """A command was killed by a resource limit of the sandbox: today its memory limit (the
+    sandbox's out-of-memory killer), where the backend can tell from outside the sandbox.
+
+    ``limit`` names the limit (``"memory"``), ``setting`` its configured value (``"64MiB"``,
+    ``None`` when not known), ``exit_code`` is the command's (137: SIGKILL), and
+    ``stdout_bytes`` / ``stderr_bytes`` hold the output it wrote before. The sandbox itself
+    stays usable. A process killed by anything else (``kill -9``) is a result, not this.
+    """
+
+    def __init__(
+        self,
+        limit: str,
+        argv: list[str],
+        exit_code: int,
+        stdout_bytes: bytes = b"",
+        stderr_bytes: bytes = b"",
+        *,
+        setting: str | None = None,
+    ):
+        self.limit = limit
+        self.argv = argv
+        self.exit_code = exit_code
+        self.stdout_bytes = stdout_bytes
+        self.stderr_bytes = stderr_bytes
+        self.setting = setting
+        value = f" ({limit}={setting})" if setting else ""
+        super().__init__(
+            f"command {_short_argv(argv)} was killed by the sandbox's {limit} limit{value}; "
+            f"exit code {exit_code}"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_resource_error,
+            (
+                self.limit,
+                self.argv,
+                self.exit_code,
+                self.stdout_bytes,
+                self.stderr_bytes,
+                self.setting,
+            ),
+        )
+
+
+def _rebuild_resource_error(
+    limit: str, argv: list[str], code: int, out: bytes, err: bytes, setting: str | None
+) -> SandboxResourceError:
+    return SandboxResourceError(limit, argv, code, out, err, setting=setting)
 
 
 class SandboxUnavailableError(SandboxError):

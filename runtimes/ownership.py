@@ -3,7 +3,8 @@
 A *session* is one Python process using the suite. Every sandbox it creates carries
 labels naming the session, the host and the process (pid plus its start time, so a
 recycled pid is not mistaken for the owner). ``vf-sandbox cleanup`` uses them to find
-sandboxes whose session is dead.
+sandboxes whose session is dead. A sandbox created with ``keep=True`` also carries
+:data:`KEEP`: it outlives its session on purpose, and only an explicit removal takes it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ HOST = LABEL_PREFIX + "host"
 PID = LABEL_PREFIX + "pid"
 PID_START = LABEL_PREFIX + "pid-start"
 BACKEND = LABEL_PREFIX + "backend"
+KEEP = LABEL_PREFIX + "keep"
 
 SESSION_ID = uuid.uuid4().hex
 
@@ -53,8 +55,10 @@ def _owner() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def session_labels(backend: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Labels for a sandbox created now by this process."""
+def session_labels(
+    backend: str, extra: Mapping[str, str] | None = None, *, keep: bool = False
+) -> dict[str, str]:
+    """Labels for a sandbox created now by this process (``keep``: one that close() keeps)."""
     labels = {
         OWNER: _owner(),
         SESSION: SESSION_ID,
@@ -66,7 +70,15 @@ def session_labels(backend: str, extra: Mapping[str, str] | None = None) -> dict
     }
     if extra:
         labels.update(extra)
+    if keep:
+        labels[KEEP] = "true"
     return labels
+
+
+def is_kept(labels: Mapping[str, str]) -> bool:
+    """Whether a sandbox was created with ``keep=True`` (spared by every sweep but an
+    explicit ``cleanup --kept`` / ``--all``)."""
+    return labels.get(KEEP) == "true"
 
 
 def session_is_dead(labels: Mapping[str, str]) -> bool | None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import abc
 import logging
+import signal
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -28,11 +30,14 @@ from .errors import (
     OutputLimitExceededError,
     SandboxError,
     SandboxFileNotFoundError,
+    SandboxResourceError,
 )
 from .models import ExecRequest, OutputSink
 from .sweep import MARK_VAR, ORPHAN_KILL_SCRIPT
 
 log = logging.getLogger("runtimes")
+
+_SIGKILLED = 128 + signal.SIGKILL
 
 __all__ = ["Primitives"]
 
@@ -135,16 +140,46 @@ class Primitives(abc.ABC):
         return None
 
     async def _routed_exec(self, request: ExecRequest, sink: OutputSink) -> int:
-        """Every command: checked, the kills still owed paid, then the channel, else ``_exec``."""
+        """Every command: checked, the kills still owed paid, then the channel, else ``_exec``.
+
+        Raises:
+            SandboxResourceError: the command died of SIGKILL and the backend tells that the
+                sandbox's memory limit dealt it (:meth:`_memory_kill`).
+        """
         self._check_request(request)
         if self._orphans:
             await self._kill_orphans()
+        started = time.monotonic()
         channel = self._supervisor
         if channel is None:
-            return await self._exec(request, sink)
-        return await channel.exec(
-            request, sink, lambda: self._exec(request, sink), self._channel_env(request)
-        )
+            code = await self._exec(request, sink)
+        else:
+            code = await channel.exec(
+                request, sink, lambda: self._exec(request, sink), self._channel_env(request)
+            )
+        if code == _SIGKILLED:
+            # The command has finished: a timeout or cancellation that falls due while the
+            # backend looks must not turn its result into a timeout (the check is bounded).
+            with anyio.CancelScope(shield=True):
+                setting = await self._memory_kill(started)
+            if setting is not None:
+                raise SandboxResourceError(
+                    "memory",
+                    list(request.argv),
+                    code,
+                    bytes(sink.stdout),
+                    bytes(sink.stderr),
+                    setting=setting or None,
+                )
+        return code
+
+    async def _memory_kill(self, since: float) -> str | None:
+        """After a command died of SIGKILL: whether the sandbox's memory limit killed a
+        process since ``time.monotonic()`` was ``since``, as seen from outside the sandbox
+        (which the workload cannot forge). The limit's setting (``"64MiB"``, ``""`` if not
+        known) if so, else ``None``: the default, so a 137 stays a result. Runs shielded from
+        cancellation, so it must bound its own time; never raises."""
+        return None
 
     async def _routed_read(self, path: str, limit: int) -> bytes:
         channel = self._supervisor

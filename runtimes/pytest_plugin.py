@@ -1,6 +1,6 @@
 """pytest fixtures for users' own environment tests (registered through ``pytest11``).
 
-``sandbox_factory`` opens runtimes from any config and closes them after the test::
+``sandbox_factory`` opens runtimes from any config; use each with ``async with``::
 
     def test_my_env(sandbox_factory):
         async def body():
@@ -8,9 +8,12 @@
                 assert (await rt.exec(["true"])).ok
         anyio.run(body)
 
+A runtime the test left open is closed after it, and the test fails (in teardown) naming it.
+
 Docker fixtures (need a reachable engine; the test is skipped when none answers -- or
 failed, with ``vf_sandbox_require_docker = true`` in the pytest ini options, as this
-project's own suite sets -- and failed when the image is missing; images are never pulled):
+project's own suite sets -- and failed when the image is missing, with a message that says
+how to get it; the fixtures never pull, a config with ``pull="missing"`` or ``"always"`` does):
 
 * ``docker_runtime_factory(image=..., **fields)`` -- an unstarted :class:`DockerRuntime`
   owning a fresh container; whatever the test left open is closed afterwards.
@@ -22,16 +25,18 @@ project's own suite sets -- and failed when the image is missing; images are nev
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import anyio
 import pytest
 
 from .base import Runtime
 from .config import RuntimeConfig
+from .errors import SandboxError
 from .lifecycle import State
-from .registry import open_runtime
+from .registry import open_runtime, resolve_runtime_config
 
 if TYPE_CHECKING:
     from .docker import DockerConfig, DockerRuntime
@@ -54,8 +59,22 @@ def sandbox_factory() -> Iterator[RuntimeFactory]:
         return runtime
 
     yield factory
-    leaked = [rt.describe() for rt in made if rt.state not in (State.NEW, State.CLOSED)]
-    assert not leaked, f"runtimes left open by the test: {leaked}"
+    leaked = [rt for rt in made if rt.state not in (State.NEW, State.CLOSED)]
+    if leaked:
+        pytest.fail(_leak_message(leaked, _close_all(leaked)), pytrace=False)
+
+
+def _leak_message(leaked: list[Runtime], close_errors: list[str]) -> str:
+    names = ", ".join(rt.describe() for rt in leaked)
+    closed = "closing it also failed" if close_errors else "the fixture closed it"
+    message = (
+        f"sandbox_factory: the test left {len(leaked)} runtime(s) open: {names}; {closed}. "
+        "Open them with `async with sandbox_factory(config) as rt:` (or `await rt.close()`) "
+        "so each sandbox is removed when the test ends."
+    )
+    if close_errors:
+        message += "\n" + "\n".join(close_errors)
+    return message
 
 
 # ---------------------------------------------------------------------- docker
@@ -80,34 +99,77 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _no_docker(reason: str) -> NoReturn:
     if _docker_required:
-        pytest.fail(f"{reason} ({_REQUIRE_DOCKER} is set: `make test` brings the engine up)")
+        pytest.fail(
+            f"{reason}\n(Docker tests fail instead of skipping: {_REQUIRE_DOCKER} = true "
+            "is set in the pytest ini options)",
+            pytrace=False,
+        )
     pytest.skip(reason)
 
 
-def _require_docker_image(image: str) -> None:
+def _missing_image_message(image: str) -> str:
+    if image == DOCKER_TEST_IMAGE:
+        how = (
+            "it is vf-sandbox's offline Debian base image: build it from a vf-sandbox source "
+            "checkout with `bash images/build-base.sh` (debootstraps Debian bookworm from your "
+            "apt mirror, no registry needed), or give the fixture an image you have: "
+            "docker_runtime_factory(image=...)"
+        )
+    else:
+        how = (
+            f"pull it (`docker pull {image}`), build it (`docker build -t {image} ...`), or "
+            "pass pull='missing' to docker_runtime_factory to let the runtime pull it"
+        )
+    return f"Docker image {image!r} is not on this engine and the fixture does not pull it: {how}"
+
+
+def _require_docker_image(image: str, base_url: str | None = None) -> None:
     """Skip (or fail, see ``vf_sandbox_require_docker``) when no engine answers; fail when
-    the image is missing (never pulled)."""
+    the image is missing (never pulled). Failures carry a message, not a traceback."""
+    present = _image_present(image, base_url)
+    if isinstance(present, str):
+        _no_docker(present)
+    if not present:
+        pytest.fail(_missing_image_message(image), pytrace=False)
+
+
+def _image_present(image: str, base_url: str | None) -> bool | str:
+    """Whether the engine has ``image``, or (a string) why no engine answered."""
     try:
         import docker
         import docker.errors
+        import requests
     except ImportError:
-        _no_docker("the docker SDK is not installed (pip install 'vf-sandbox[docker]')")
+        return "the docker SDK is not installed: pip install 'vf-sandbox[docker]'"
+    where = base_url or os.environ.get("DOCKER_HOST") or "the default socket"
     try:
-        client = docker.from_env(timeout=10)
+        if base_url:
+            client = docker.DockerClient(base_url=base_url, timeout=10)
+        else:
+            client = docker.from_env(timeout=10)
     except docker.errors.DockerException as exc:
-        _no_docker(f"no Docker engine answers: {exc}")
+        return f"no Docker engine answers at {where}: {exc}"
     try:
         client.images.get(image)
     except docker.errors.ImageNotFound:
-        pytest.fail(f"docker image {image!r} is missing: build it first (make images)")
+        return False
+    except (docker.errors.DockerException, requests.RequestException) as exc:
+        return f"the Docker engine at {where} failed to answer: {exc}"
     finally:
         client.close()
+    return True
 
 
-def _close_all(runtimes: list[Runtime]) -> None:
+def _close_all(runtimes: list[Runtime]) -> list[str]:
+    """Close every runtime still open; the errors of those that would not close."""
+    errors = []
     for runtime in runtimes:
         if not runtime.closed:
-            anyio.run(runtime.close)
+            try:
+                anyio.run(runtime.close)
+            except SandboxError as exc:
+                errors.append(f"{runtime.describe()}: {type(exc).__name__}: {exc}")
+    return errors
 
 
 @pytest.fixture
@@ -117,23 +179,27 @@ def docker_runtime_factory() -> Iterator[DockerRuntimeFactory]:
     Use it with ``async with``; runtimes the test left open are closed (their containers
     removed) after the test.
     """
-    from .docker import DockerConfig, DockerRuntime
+    from .docker import DockerRuntime
 
     made: list[Runtime] = []
     checked: set[str] = set()
 
     def factory(image: str = DOCKER_TEST_IMAGE, **fields: Any) -> DockerRuntime:
-        if image not in checked:
-            _require_docker_image(image)
+        if image not in checked and fields.get("pull", "never") == "never":
+            _require_docker_image(image, fields.get("base_url"))
             checked.add(image)
-        runtime = DockerRuntime(DockerConfig(image=image, **fields))
+        config = resolve_runtime_config({**fields, "type": "docker", "image": image})
+        runtime = DockerRuntime(cast("DockerConfig", config))
         made.append(runtime)
         return runtime
 
-    try:
-        yield factory
-    finally:
-        _close_all(made)
+    yield factory
+    _fail_on_close_errors("docker_runtime_factory", _close_all(made))
+
+
+def _fail_on_close_errors(fixture: str, errors: list[str]) -> None:
+    if errors:
+        pytest.fail(f"{fixture}: closing failed:\n" + "\n".join(errors), pytrace=False)
 
 
 @pytest.fixture
@@ -144,8 +210,11 @@ def attached_container() -> Iterator[Any]:
     ``/srv``.
     """
     _require_docker_image(DOCKER_TEST_IMAGE)
-    from testcontainers.core.config import testcontainers_config
-    from testcontainers.core.container import DockerContainer
+    try:
+        from testcontainers.core.config import testcontainers_config
+        from testcontainers.core.container import DockerContainer
+    except ImportError:
+        pytest.fail("attached_container needs testcontainers: pip install testcontainers", False)
 
     testcontainers_config.ryuk_disabled = True
     container = (
@@ -177,7 +246,5 @@ def attached_container_runtime(attached_container_config: DockerConfig) -> Itera
     from .docker import DockerRuntime
 
     runtime = DockerRuntime(attached_container_config)
-    try:
-        yield runtime
-    finally:
-        _close_all([runtime])
+    yield runtime
+    _fail_on_close_errors("attached_container_runtime", _close_all([runtime]))

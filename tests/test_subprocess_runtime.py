@@ -1,4 +1,5 @@
-"""Behaviour specific to the subprocess runtime: private workdirs, process groups,
+"""Behaviour specific to the subprocess runtime: private workdirs, user workdirs (refused
+when missing, created on request and removed without following links), process groups,
 non-root permission errors, leaks after SIGKILL, the atexit backstop, cancellation."""
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from pathlib import Path
 import anyio
 import pytest
 
-from runtimes import SandboxUnavailableError, SubprocessConfig, open_runtime
+from runtimes import (
+    RuntimeConfigError,
+    SandboxFileNotFoundError,
+    SandboxNotADirectoryError,
+    SandboxUnavailableError,
+    SubprocessConfig,
+    open_runtime,
+    resolve_runtime_config,
+)
 from runtimes.cleanup import cleanup_sandboxes
 from runtimes.subprocess import SubprocessRuntime
 from runtimes.testing import run_conformance
@@ -83,16 +92,157 @@ def test_close_kills_background_processes_left_running() -> None:
 
 def test_workdir_given_by_user_is_used_and_kept(tmp_path: Path) -> None:
     target = tmp_path / "mine"
+    target.mkdir()
+    (target / "before.txt").write_bytes(b"b")
 
     async def body() -> None:
         async with open_runtime(
-            SubprocessConfig(workdir=str(target), root=str(tmp_path / "r"))
+            SubprocessConfig(workdir=str(target), root=str(tmp_path / "r"), create_workdir=True)
         ) as rt:
             assert rt.workdir == str(target)
             await rt.write("kept.txt", b"k")
 
     anyio.run(body)
     assert (target / "kept.txt").read_bytes() == b"k"
+    assert (target / "before.txt").read_bytes() == b"b"
+
+
+def test_missing_workdir_is_refused_and_nothing_is_created(tmp_path: Path) -> None:
+    target = tmp_path / "no" / "such"
+    root = tmp_path / "r"
+    rt = open_runtime(SubprocessConfig(workdir=str(target), root=str(root)))
+    with pytest.raises(SandboxFileNotFoundError, match="create_workdir") as caught:
+        anyio.run(rt.start)
+    assert caught.value.filename == str(target)
+    assert rt.closed
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_workdir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "file"
+    target.write_bytes(b"")
+    config = SubprocessConfig(workdir=str(target), root=str(tmp_path / "r"), create_workdir=True)
+    with pytest.raises(SandboxNotADirectoryError):
+        anyio.run(open_runtime(config).start)
+    assert target.read_bytes() == b""
+
+
+def test_create_workdir_removes_only_the_directories_it_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "existing").mkdir()
+    monkeypatch.chdir(tmp_path)
+    config = SubprocessConfig(workdir="existing/a/b", root=str(tmp_path / "r"), create_workdir=True)
+
+    async def body() -> str:
+        async with open_runtime(config) as rt:
+            await rt.write("deep/file.txt", b"x")
+            result = await rt.exec(["pwd", "-P"])
+            assert result.stdout.strip() == rt.workdir
+            return rt.workdir
+
+    workdir = anyio.run(body)
+    assert workdir == str(tmp_path / "existing" / "a" / "b")  # relative: to the cwd at start
+    assert not os.path.lexists(tmp_path / "existing" / "a")
+    assert (tmp_path / "existing").is_dir()
+    assert list((tmp_path / "r").iterdir()) == []
+
+
+def test_create_workdir_without_workdir_is_a_config_error() -> None:
+    with pytest.raises(RuntimeConfigError, match="create_workdir needs a workdir"):
+        resolve_runtime_config({"type": "subprocess", "create_workdir": True})
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    (victim / "new").mkdir(parents=True)
+    (victim / "precious.txt").write_bytes(b"p")
+    (victim / "new" / "precious.txt").write_bytes(b"p")
+    return victim
+
+
+def test_created_workdir_swapped_for_a_link_is_not_followed_on_close(tmp_path: Path) -> None:
+    """A hostile command replaces the workdir the runtime created by a symlink to a
+    directory of the user's: close() removes the link, never what it points to."""
+    victim = _victim(tmp_path)
+    created = tmp_path / "new"
+    config = SubprocessConfig(workdir=str(created), root=str(tmp_path / "r"), create_workdir=True)
+    swap = 'cd / && mv "$1" "$1.moved" && ln -s "$2" "$1"'
+
+    async def body() -> None:
+        async with open_runtime(config) as rt:
+            result = await rt.exec(["sh", "-c", swap, "sh", str(created), str(victim)])
+            assert result.exit_code == 0, result.stderr
+
+    anyio.run(body)
+    assert not os.path.lexists(created)  # the planted link, unlinked
+    assert (victim / "precious.txt").read_bytes() == b"p"
+    assert (victim / "new" / "precious.txt").read_bytes() == b"p"
+    assert (tmp_path / "new.moved").is_dir()  # moved away: no longer at the name it had
+
+
+def test_created_workdir_under_a_swapped_parent_is_left_alone(tmp_path: Path) -> None:
+    """The parent the workdir was created in is replaced by a link to a directory of the
+    user's with an entry of the same name (here a symlink): close() leaves that entry."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_bytes(b"p")
+    (victim / "new").symlink_to("precious.txt")
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    config = SubprocessConfig(
+        workdir=str(parent / "new"), root=str(tmp_path / "r"), create_workdir=True
+    )
+    swap = 'cd / && mv "$1" "$1.moved" && ln -s "$2" "$1"'
+
+    async def body() -> None:
+        async with open_runtime(config) as rt:
+            result = await rt.exec(["sh", "-c", swap, "sh", str(parent), str(victim)])
+            assert result.exit_code == 0, result.stderr
+
+    anyio.run(body)
+    assert os.readlink(victim / "new") == "precious.txt"
+    assert (victim / "precious.txt").read_bytes() == b"p"
+
+
+_CREATING_HOLDER = textwrap.dedent(
+    """
+    import sys, anyio
+    from runtimes import SubprocessConfig, open_runtime
+
+    async def main():
+        config = SubprocessConfig(root=sys.argv[1], workdir=sys.argv[2], create_workdir=True)
+        rt = open_runtime(config)
+        await rt.start()
+        await rt.write("left.txt", b"x")
+        print("READY", flush=True)
+        await anyio.sleep(600)
+
+    anyio.run(main)
+    """
+)
+
+
+def test_cleanup_of_a_leaked_sandbox_removes_the_workdir_it_created(tmp_path: Path) -> None:
+    root, workdir = tmp_path / "r", tmp_path / "existing" / "made" / "work"
+    (tmp_path / "existing").mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _CREATING_HOLDER, str(root), str(workdir)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "READY"
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (workdir / "left.txt").is_file()
+
+    results = anyio.run(lambda: cleanup_sandboxes([SubprocessConfig(root=str(root))]))
+    assert [r.action for r in results] == ["removed"]
+    assert not os.path.lexists(tmp_path / "existing" / "made")
+    assert (tmp_path / "existing").is_dir()
 
 
 @ROOT_ONLY

@@ -4,13 +4,16 @@ The package: :mod:`.config` (:class:`DockerConfig`), :mod:`.client` (engine acce
 :mod:`.container` (making or finding the container), :mod:`.stream` (the hijacked exec
 connection), :mod:`.process` (one command: the wrapper's report, output and errors),
 :mod:`.files` (the archive API), :mod:`.agent` (the channel agent's transport and trust
-checks), :mod:`.network` (host routes), ``scripts/`` (the shell programs) and
+checks), :mod:`.network` (host routes), :mod:`.ports` (published ports), :mod:`.mounts`
+(bind mounts and volumes), :mod:`.pull` (the pull policy), ``scripts/`` (the shell programs) and
 :mod:`.runtime` (:class:`DockerRuntime`).
 """
 
 from .config import DEFAULT_IMAGE, DockerConfig
+from .mounts import MountSpec
 from .network import _is_local_address as _is_local_address  # the old module's names
 from .network import gateway_from_route_table as gateway_from_route_table
+from .ports import PortSpec
 from .runtime import DockerRuntime
 
-__all__ = ["DEFAULT_IMAGE", "DockerConfig", "DockerRuntime"]
+__all__ = ["DEFAULT_IMAGE", "DockerConfig", "DockerRuntime", "MountSpec", "PortSpec"]

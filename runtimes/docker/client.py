@@ -247,6 +247,24 @@ async def check_running(ref: _ContainerRef) -> None:
     await _blocking(lambda: check_running_blocking(ref), ref.config, idempotent=True)
 
 
+async def inspect_container(ref: _ContainerRef) -> dict[str, Any]:
+    """The engine's inspection of the container.
+
+    Raises:
+        SandboxUnavailableError: the container was removed.
+        SandboxTransportError: the engine did not answer (after retries).
+    """
+    import docker.errors
+
+    try:
+        info: dict[str, Any] = await _blocking(
+            lambda: ref.api.inspect_container(ref.id), ref.config, idempotent=True
+        )
+    except docker.errors.NotFound as exc:
+        raise gone_error(ref, exc) from None
+    return info
+
+
 async def is_running(ref: _ContainerRef) -> bool:
     """Running and not paused; ``False`` once removed (docker.errors.APIError otherwise)."""
     import docker.errors

@@ -2,8 +2,9 @@
 
 An owned sandbox is a container from ``image`` with a keep-alive command
 (``scripts/keep_alive.sh``), vf-sandbox labels (:mod:`runtimes.ownership`), no network by
-default, ``docker-init`` as PID 1 when the engine has it, and the workdir. Images are never
-pulled.
+default, ``docker-init`` as PID 1 when the engine has it, and the workdir, plus the
+configured published ports (:mod:`.ports`), mounts (:mod:`.mounts`) and GPU requests. Images
+are pulled only as the ``pull`` policy says (:mod:`.pull`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from .. import ownership
 from ..errors import ProvisioningError, SandboxTransportError
+from ..resources import MIB
 from ..scripts import load
 from .client import _api_message, _blocking, _engine_name
 from .config import DEFAULT_WORKDIR, DockerConfig
+from .mounts import VOLUME_LABEL, engine_mounts
+from .ports import port_bindings
+from .pull import pull_image
 
 if TYPE_CHECKING:
     import docker
@@ -25,48 +30,89 @@ _KEEP_ALIVE = ["sh", "-c", load("keep_alive", "runtimes.docker.scripts")]
 
 
 async def check_image(client: docker.DockerClient, cfg: DockerConfig) -> str:
-    """The image's configured user ("" for root); never pulls.
+    """The image's configured user ("" for root), after pulling it as ``cfg.pull`` says:
+    ``"always"`` pulls first, ``"missing"`` only if the engine lacks it, ``"never"`` never.
 
     Raises:
-        ProvisioningError: the image is not on the engine, or could not be inspected.
+        ProvisioningError: the image is not on the engine (and not pulled), the pull
+            failed or timed out, or the image could not be inspected.
     """
-    import docker.errors
-
-    try:
-        image = await _blocking(lambda: client.images.get(cfg.image), cfg, idempotent=True)
-    except docker.errors.ImageNotFound:
+    if cfg.pull == "always":
+        await pull_image(client, cfg)
+    image = await _find_image(client, cfg)
+    if image is None and cfg.pull == "missing":
+        await pull_image(client, cfg)
+        image = await _find_image(client, cfg)
+    if image is None and cfg.pull == "never":
         raise ProvisioningError(
             f"docker image {cfg.image!r} is not present on {_engine_name(cfg)} "
-            "(images are never pulled: build or load it first)"
-        ) from None
-    except docker.errors.APIError as exc:
-        raise ProvisioningError(f"cannot inspect image {cfg.image!r}: {_api_message(exc)}") from exc
-    except SandboxTransportError as exc:
-        raise ProvisioningError(f"cannot inspect image {cfg.image!r}: {exc}") from exc
+            "(pull='never'): build or load it first (docker build / docker load), "
+            "or set pull='missing' to pull it from its registry"
+        )
+    if image is None:
+        raise ProvisioningError(
+            f"docker image {cfg.image!r} is not present on {_engine_name(cfg)} after pulling it"
+        )
     settings = image.attrs.get("Config") or {}
     return str(settings.get("User") or "")
 
 
+async def _find_image(client: docker.DockerClient, cfg: DockerConfig) -> Any | None:
+    """The engine's image ``cfg.image``, or ``None``.
+
+    Raises:
+        ProvisioningError: the image could not be inspected.
+    """
+    import docker.errors
+
+    try:
+        return await _blocking(lambda: client.images.get(cfg.image), cfg, idempotent=True)
+    except docker.errors.ImageNotFound:
+        return None
+    except docker.errors.APIError as exc:
+        raise ProvisioningError(f"cannot inspect image {cfg.image!r}: {_api_message(exc)}") from exc
+    except SandboxTransportError as exc:
+        raise ProvisioningError(f"cannot inspect image {cfg.image!r}: {exc}") from exc
+
+
 def container_options(cfg: DockerConfig, backend: str, init: bool) -> dict[str, Any]:
     """The engine's create options for an owned sandbox."""
+    name = f"{cfg.name_prefix}-{uuid.uuid4().hex[:12]}"
     options: dict[str, Any] = {
         "command": _KEEP_ALIVE,
         "detach": True,
-        "labels": ownership.session_labels(backend, cfg.labels),
+        "labels": ownership.session_labels(backend, cfg.labels, keep=cfg.keep),
         "network_mode": cfg.network,
         "working_dir": cfg.workdir or DEFAULT_WORKDIR,
-        "name": f"{cfg.name_prefix}-{uuid.uuid4().hex[:12]}",
+        "name": name,
         "init": init or None,
     }
     if cfg.hostname:
         options["hostname"] = cfg.hostname
-    if cfg.cpu is not None:
-        options["nano_cpus"] = int(cfg.cpu * 1e9)
+    if cfg.cpus is not None:
+        options["nano_cpus"] = int(cfg.cpus * 1e9)
     if cfg.memory is not None:
-        options["mem_limit"] = cfg.memory
+        options["mem_limit"] = cfg.memory * MIB
     if cfg.pids_limit is not None:
         options["pids_limit"] = cfg.pids_limit
+    if cfg.ports:
+        options["ports"] = port_bindings(cfg.ports)
+    if cfg.mounts:
+        options["mounts"] = engine_mounts(cfg.mounts, {**options["labels"], VOLUME_LABEL: name})
+    if cfg.gpus is not None:
+        options["device_requests"] = [gpu_request(cfg.gpus)]
     return options
+
+
+def gpu_request(gpus: str | int | tuple[str, ...]) -> Any:
+    """The Engine API's ``DeviceRequest`` for ``gpus``: ``"all"``, a count or device ids."""
+    import docker.types
+
+    if gpus == "all":
+        return docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])
+    if isinstance(gpus, int):
+        return docker.types.DeviceRequest(count=gpus, capabilities=[["gpu"]])
+    return docker.types.DeviceRequest(device_ids=list(gpus), capabilities=[["gpu"]])
 
 
 def create_and_start_blocking(
@@ -93,8 +139,19 @@ def create_and_start_blocking(
     except docker.errors.APIError as exc:
         raise ProvisioningError(
             f"the engine refused to run a container from {cfg.image!r}: {_api_message(exc)}"
+            + _gpu_hint(cfg, _api_message(exc))
         ) from exc
     return container
+
+
+def _gpu_hint(cfg: DockerConfig, message: str) -> str:
+    """What to do when the engine cannot give the requested GPUs."""
+    if cfg.gpus is None or ("device driver" not in message and "gpu" not in message.lower()):
+        return ""
+    return (
+        f" (gpus={cfg.gpus!r}: the engine has no GPU runtime or not the GPUs asked for; "
+        "install the NVIDIA Container Toolkit on the engine's host, or drop gpus)"
+    )
 
 
 def confirm_running_blocking(container: Any, image: str) -> None:

@@ -60,6 +60,7 @@ from .client import (
     _engine_name,
     changed_paths,
     check_running,
+    inspect_container,
     is_running,
     kill_as_root,
     list_labelled_blocking,
@@ -75,6 +76,8 @@ from .container import (
 )
 from .files import _ContainerArchive, _tree_tar
 from .network import _is_local_address, gateway_from_route_table
+from .oom import memory_kill_setting
+from .ports import engine_host, published_address
 from .process import (
     _engine_exec_error,
     _ExecOutput,
@@ -117,6 +120,7 @@ class DockerRuntime(Runtime):
 
     name = "docker"
     config_model = DockerConfig
+    keep_supported = True
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
@@ -266,8 +270,12 @@ class DockerRuntime(Runtime):
                 f"{bytes(sink.stderr).decode('utf-8', 'replace').strip()}"
             )
 
+    def _removes_container(self) -> bool:
+        """Whether close() removes the container: one this runtime created and does not keep."""
+        return self._owned and not self._keep and self._container_id is not None
+
     async def _close(self) -> None:
-        if self._owned and self._container_id is not None and self._client is not None:
+        if self._removes_container() and self._client is not None:
             await _blocking(self._remove_blocking, self.config, idempotent=True)
 
     def _remove_blocking(self) -> None:
@@ -277,7 +285,7 @@ class DockerRuntime(Runtime):
         """atexit backstop: remove the container synchronously through the SDK."""
         self._close_channel_now()
         try:
-            if self._owned and self._container_id is not None and self._client is not None:
+            if self._removes_container() and self._client is not None:
                 self._remove_blocking()
         finally:
             self._mark_closed()
@@ -327,6 +335,18 @@ class DockerRuntime(Runtime):
         if via == "loopback":
             return HostRoute("loopback", "127.0.0.1", port)
         return HostRoute("gateway", await self._host_gateway(), port)
+
+    async def host_port(self, port: int, protocol: str = "tcp") -> tuple[str, int]:
+        """``(host, port)`` where the engine published container ``port`` (config ``ports``).
+
+        Raises:
+            SandboxInvalidArgumentError: the port is not published.
+            SandboxUnavailableError: the sandbox is closed or its container is gone.
+        """
+        self._check_open()
+        info = await inspect_container(self._ref())
+        where = engine_host(self.config.base_url)
+        return published_address(info, port, protocol, self.describe(), where)
 
     async def _alive(self) -> bool:
         return await is_running(self._ref())
@@ -414,6 +434,9 @@ class DockerRuntime(Runtime):
 
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
         return await self._run(request, sink)
+
+    async def _memory_kill(self, since: float) -> str | None:
+        return await memory_kill_setting(self._ref(), since)
 
     async def _run(self, request: ExecRequest, sink: OutputSink) -> int:
         """Run a command (the runtime's own ones too, which may use root)."""
@@ -655,6 +678,22 @@ class DockerRuntime(Runtime):
         return await _blocking(
             lambda: list_labelled_blocking(_client_for(cfg).api, cls.name), cfg, idempotent=True
         )
+
+    @classmethod
+    async def shell_argv(
+        cls, info: SandboxInfo, config: RuntimeConfig | None = None, *, tty: bool
+    ) -> list[str]:
+        """``docker exec -i [-t] -w WORKDIR ID /bin/sh`` (see :mod:`.shell`).
+
+        Raises:
+            SandboxFileNotFoundError: the docker CLI is not installed.
+            SandboxUnavailableError: the container is gone or not running.
+            SandboxTransportError: the engine did not answer.
+        """
+        from .shell import docker_shell_argv
+
+        cfg = config if isinstance(config, DockerConfig) else DockerConfig()
+        return await docker_shell_argv(info, cfg, tty=tty)
 
     @classmethod
     async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:

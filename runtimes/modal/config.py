@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -29,27 +29,30 @@ class ModalConfig(RuntimeConfig):
     ``image`` is a registry reference (``"python:3.11-slim"``) or the path of a local
     Dockerfile (for example ``images/python/Dockerfile``; its directory is the build
     context). ``timeout`` bounds the sandbox's whole life and ``idle_timeout`` its idle
-    time (seconds), so a crashed client never leaves a sandbox billing for a day. The
-    network is blocked unless ``block_network=False``; ``cidr_allowlist`` opens it to
-    those CIDRs only. ``secrets`` are names of Modal Secrets injected as environment
-    variables. ``tags`` are added to the session labels every sandbox carries as Modal
-    tags. ``max_live`` caps this process's live Modal sandboxes and
-    ``creations_per_second`` its creation rate; ``create_attempts`` bounds the retries
-    when Modal answers ``ResourceExhaustedError``.
+    time (seconds), so a crashed client never leaves a sandbox billing for a day. ``cpus``
+    and ``memory`` (MiB or ``"2GiB"``) are hard limits (Modal's request and limit both);
+    ``pids_limit`` is refused (``docs/resources.md``). ``network`` is ``"none"`` (default, no
+    network at all) or ``"default"`` (outbound network); ``cidr_allowlist`` opens it to
+    those CIDRs only (the old ``block_network=True/False`` still works). ``secrets`` are
+    names of Modal Secrets injected as environment variables. ``tags`` are added to the
+    session labels every sandbox carries as Modal tags. ``max_live`` caps this process's
+    live Modal sandboxes and ``creations_per_second`` its creation rate;
+    ``create_attempts`` bounds the retries when Modal answers ``ResourceExhaustedError``.
     """
+
+    enforced_limits: ClassVar[frozenset[str]] = frozenset({"cpus", "memory"})
+    unenforced_reason: ClassVar[str] = "Modal has no per-sandbox process limit"
 
     type: Literal["modal"] = "modal"
     workdir: str | None = "/work"
     image: str = "python:3.11-slim"
     app_name: str = Field(default="vf-sandbox", min_length=1)
     environment: str | None = None
-    cpu: float | None = Field(default=None, gt=0)
-    memory: int | None = Field(default=None, gt=0, description="MiB")
     gpu: str | None = None
     timeout: int = Field(default=3600, ge=10, le=24 * 3600)
     idle_timeout: int | None = Field(default=900, ge=10, le=24 * 3600)
     region: str | list[str] | None = None
-    block_network: bool = True
+    network: Literal["none", "default"] = "none"
     cidr_allowlist: list[str] | None = None
     secrets: list[str] = Field(default_factory=list)
     tags: dict[str, str] = Field(default_factory=dict)
@@ -68,12 +71,22 @@ class ModalConfig(RuntimeConfig):
     @model_validator(mode="before")
     @classmethod
     def _allowlist_opens_network(cls, data: Any) -> Any:
-        """``cidr_allowlist`` alone means "network on, but only to these"."""
-        if isinstance(data, dict) and data.get("cidr_allowlist") is not None:
-            if data.get("block_network") is True:
-                raise ValueError("cidr_allowlist needs block_network=False (it opens the network)")
-            data = {**data, "block_network": False}
+        """``block_network`` is the old spelling of ``network``; ``cidr_allowlist`` alone
+        means "network on, but only to these"."""
+        if not isinstance(data, dict):
+            return data
+        if "block_network" in data:
+            data = _network_from_block_network(data)
+        if data.get("cidr_allowlist") is not None:
+            if data.get("network", "default") != "default":
+                raise ValueError("cidr_allowlist needs network='default' (it opens the network)")
+            data = {**data, "network": "default"}
         return data
+
+    @property
+    def block_network(self) -> bool:
+        """The Modal SDK's name: ``network == "none"``."""
+        return self.network == "none"
 
     _absolute_workdir = field_validator("workdir")(absolute_workdir)
 
@@ -90,3 +103,15 @@ class ModalConfig(RuntimeConfig):
         if any(not name for name in value):
             raise ValueError("secret names must not be empty")
         return value
+
+
+def _network_from_block_network(data: dict[str, Any]) -> dict[str, Any]:
+    """``block_network=True/False`` -> ``network="none"/"default"``."""
+    data = dict(data)
+    blocked = data.pop("block_network")
+    if "network" in data:
+        raise ValueError("'block_network' is the old name of 'network': give only 'network'")
+    if not isinstance(blocked, bool):
+        raise ValueError("block_network must be true or false (or use network='none'/'default')")
+    data["network"] = "none" if blocked else "default"
+    return data

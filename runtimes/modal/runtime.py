@@ -22,6 +22,7 @@ from ..config import RuntimeConfig
 from ..errors import (
     ProvisioningError,
     SandboxError,
+    SandboxInvalidArgumentError,
     SandboxTransportError,
 )
 from ..models import SandboxInfo
@@ -58,6 +59,7 @@ class ModalRuntime(_ModalExec, _ModalFiles):
 
     name = "modal"
     config_model = ModalConfig
+    keep_supported = True
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
@@ -116,6 +118,7 @@ class ModalRuntime(_ModalExec, _ModalFiles):
         sandbox, self._sandbox = self._sandbox, None
         if sandbox is not None:
             await self._terminate(sandbox)
+            await self._detach(sandbox)
 
     async def _create_sandbox(self) -> None:
         modal = client._modal()
@@ -189,13 +192,20 @@ class ModalRuntime(_ModalExec, _ModalFiles):
             "tags": self._tags(),
             "timeout": cfg.timeout,
             "idle_timeout": cfg.idle_timeout,
-            "block_network": cfg.block_network,
+            "block_network": cfg.network == "none",
         }
         if cfg.cidr_allowlist is not None:
             kwargs["outbound_cidr_allowlist"] = list(cfg.cidr_allowlist)
         if cfg.secrets:
             kwargs["secrets"] = [modal.Secret.from_name(name) for name in cfg.secrets]
-        optional = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, "region": cfg.region}
+        optional = {
+            # Modal's cpu and memory alone are requests a sandbox may burst over: (request,
+            # limit) makes them the hard limits they are on every other backend.
+            "cpu": None if cfg.cpus is None else (cfg.cpus, cfg.cpus),
+            "memory": None if cfg.memory is None else (cfg.memory, cfg.memory),
+            "gpu": cfg.gpu,
+            "region": cfg.region,
+        }
         kwargs.update({key: value for key, value in optional.items() if value is not None})
         return kwargs
 
@@ -210,7 +220,7 @@ class ModalRuntime(_ModalExec, _ModalFiles):
 
     def _tags(self) -> dict[str, str]:
         extra = {**self.config.labels, **self.config.tags}
-        labels = ownership.session_labels(self.name, extra)
+        labels = ownership.session_labels(self.name, extra, keep=self.config.keep)
         return {key: value for key, value in labels.items() if value}
 
     async def _start(self) -> str:
@@ -252,10 +262,12 @@ class ModalRuntime(_ModalExec, _ModalFiles):
     async def _close(self) -> None:
         sandbox, self._sandbox = self._sandbox, None
         if sandbox is not None:
-            await self._terminate(sandbox)
+            if not self._keep:  # kept: it runs on until its own ``timeout``
+                await self._terminate(sandbox)
+            await self._detach(sandbox)
 
     async def _terminate(self, sandbox: Any) -> None:
-        """Terminate and detach; a failure is logged, not raised (see the module docs)."""
+        """Terminate; a failure is logged, not raised (see the module docs)."""
         errors = _exception_module()
         gone = (errors.NotFoundError, errors.ClientClosed, errors.ConflictError)
         try:
@@ -278,6 +290,9 @@ class ModalRuntime(_ModalExec, _ModalFiles):
                 type(exc).__name__,
                 exc,
             )
+
+    async def _detach(self, sandbox: Any) -> None:
+        """Release the client-side resources of ``sandbox`` (a failure is only logged)."""
         try:
             await _call(sandbox.detach)
         except Exception as exc:  # noqa: BLE001 - only releases client-side resources
@@ -288,7 +303,7 @@ class ModalRuntime(_ModalExec, _ModalFiles):
         self._close_channel_now()
         sandbox, self._sandbox = self._sandbox, None
         try:
-            if sandbox is not None:
+            if sandbox is not None and not self._keep:
                 self._terminate_blocking(sandbox)
         finally:
             self._mark_closed()
@@ -392,6 +407,25 @@ class ModalRuntime(_ModalExec, _ModalFiles):
         except Exception as exc:
             raise _sweep_error(exc, f"list sandboxes of app {cfg.app_name!r}") from exc
         return infos
+
+    @classmethod
+    def shell_hint(cls, sandbox_id: str, config: RuntimeConfig) -> str:
+        """Modal's own command (see :meth:`shell_argv`)."""
+        return f"modal shell {sandbox_id}"
+
+    @classmethod
+    async def shell_argv(
+        cls, info: SandboxInfo, config: RuntimeConfig | None = None, *, tty: bool
+    ) -> list[str]:
+        """Not from here: Modal's own CLI opens shells in its sandboxes.
+
+        Raises:
+            SandboxInvalidArgumentError: always; the message gives Modal's command.
+        """
+        raise SandboxInvalidArgumentError(
+            f"vf-sandbox cannot open a shell in a Modal sandbox; Modal's CLI can: "
+            f"modal shell {info.id} (then cd to its workdir, /work by default)"
+        )
 
     @classmethod
     async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -36,9 +36,18 @@ class SSHConfig(RuntimeConfig):
     it is handed the workdir on first use. ``stop_processes`` kills every process of that
     account, so give each live sandbox an account of its own. Unset (the default), the
     policy runs as the login user (``docs/security.md``).
+
+    Resource limits (``cpus``, ``memory``, ``pids_limit``) are refused: commands are plain
+    processes of the remote host, outside any per-sandbox cgroup. ``network`` is always
+    ``"host"``, the remote host's own network (``docs/resources.md``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    unenforced_reason: ClassVar[str] = (
+        "commands run as plain processes of the remote host, outside any per-sandbox cgroup "
+        "(run them in a container or VM on that host to limit them)"
+    )
 
     type: Literal["ssh"] = "ssh"
     host: str = Field(min_length=1)
@@ -61,6 +70,7 @@ class SSHConfig(RuntimeConfig):
     )
     max_channels: int = Field(default=10, ge=4)
     policy_user: str | None = None
+    network: Literal["host"] = "host"
     channel: bool = Field(
         default=True,
         description="run commands and files through a persistent agent (python3 on the host); "
@@ -75,6 +85,16 @@ class SSHConfig(RuntimeConfig):
         return value
 
     _plain_policy_user = field_validator("policy_user")(validate_policy_user)
+
+    @field_validator("network", mode="before")
+    @classmethod
+    def _host_network(cls, value: object) -> object:
+        if value != "host":
+            raise ValueError(
+                f"the 'ssh' runtime cannot isolate the network (got {value!r}): commands use "
+                "the remote host's network; leave network unset ('host')"
+            )
+        return value
 
     @model_validator(mode="after")
     def _policy_needs_root(self) -> SSHConfig:

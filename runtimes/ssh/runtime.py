@@ -83,6 +83,7 @@ class SSHRuntime(_ConnectedRuntime):
 
     name = "ssh"
     config_model = SSHConfig
+    keep_supported = True
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
@@ -153,7 +154,9 @@ class SSHRuntime(_ConnectedRuntime):
         conn = await self._thread(self._open_connection)
         self._conn = conn
         meta = {
-            "labels": ownership.session_labels(self.name, self.config.labels),
+            "labels": ownership.session_labels(
+                self.name, self.config.labels, keep=self.config.keep
+            ),
             "destination": self.config.destination,
             "workdir": self.config.workdir,
         }
@@ -180,7 +183,7 @@ class SSHRuntime(_ConnectedRuntime):
 
     async def _close(self) -> None:
         try:
-            if self._dir is not None:
+            if self._dir is not None and not self._keep:
                 await self._remove_remote()
         finally:
             conn, self._conn = self._conn, None
@@ -214,7 +217,7 @@ class SSHRuntime(_ConnectedRuntime):
         self._close_channel_now()
         conn = self._conn
         try:
-            if self._dir is not None:
+            if self._dir is not None and not self._keep:
                 if conn is None or not conn.usable():
                     conn = self._open_connection()
                 script = _remove_script(self._dir, self._marker, f"{self._dir}/work")
@@ -485,6 +488,23 @@ class SSHRuntime(_ConnectedRuntime):
         if not isinstance(config, SSHConfig):
             return []
         return await list_host_sandboxes(config)
+
+    @classmethod
+    async def shell_argv(
+        cls, info: SandboxInfo, config: RuntimeConfig | None = None, *, tty: bool
+    ) -> list[str]:
+        """``ssh -t`` to the host, in the sandbox's workdir (see :mod:`.shell`).
+
+        Raises:
+            SandboxInvalidArgumentError: no SSH config, ``info`` is not an SSH sandbox dir,
+                or the config authenticates only with ``key_env``.
+            SandboxFileNotFoundError: the ssh CLI is not installed.
+        """
+        from .shell import ssh_shell_argv
+
+        if not isinstance(config, SSHConfig):
+            raise SandboxInvalidArgumentError("a shell in an ssh sandbox needs its SSHConfig")
+        return ssh_shell_argv(info, config, tty=tty)
 
     @classmethod
     async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:

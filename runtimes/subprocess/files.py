@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import (
@@ -14,6 +15,7 @@ from ..errors import (
     SandboxFileNotFoundError,
     SandboxInvalidArgumentError,
     SandboxIsADirectoryError,
+    SandboxNotADirectoryError,
     error_for_errno,
 )
 
@@ -117,10 +119,93 @@ def _download_tree(remote: str, local: Path, limit: int) -> None:
         raise error_for_errno(exc.errno, remote, None) from None
 
 
+# ---------------------------------------------------------------------- a user's workdir
+
+
+@dataclass(frozen=True)
+class CreatedDir:
+    """The topmost directory a ``create_workdir`` start created, with the (st_dev, st_ino)
+    of it and of its parent at creation: removal checks both before touching anything."""
+
+    path: Path
+    identity: tuple[int, int]
+    parent_identity: tuple[int, int]
+
+    def to_meta(self) -> dict[str, object]:
+        return {
+            "path": str(self.path),
+            "identity": list(self.identity),
+            "parent_identity": list(self.parent_identity),
+        }
+
+    @classmethod
+    def from_meta(cls, raw: object) -> CreatedDir | None:
+        """The record :meth:`to_meta` wrote, or None if ``raw`` is not one."""
+        if not isinstance(raw, dict):
+            return None
+        path = raw.get("path")
+        ident, parent = _int_pair(raw.get("identity")), _int_pair(raw.get("parent_identity"))
+        if not (isinstance(path, str) and path.startswith("/") and path.strip("/")):
+            return None
+        if ident is None or parent is None:
+            return None
+        return cls(Path(path), ident, parent)
+
+    def remove(self) -> None:
+        """Remove the directory and everything in it, never following a link. Never
+        raises; a directory or parent that is not the one created is left alone."""
+        _remove_sandbox_dir(self.path, self.identity, parent_identity=self.parent_identity)
+
+
+def _int_pair(raw: object) -> tuple[int, int] | None:
+    if isinstance(raw, list) and len(raw) == 2 and all(type(n) is int for n in raw):
+        return (raw[0], raw[1])
+    return None
+
+
+def _prepare_workdir(workdir: Path, *, create: bool) -> CreatedDir | None:
+    """Check that a user's absolute ``workdir`` is a directory, or create it and its missing
+    parents with ``create``; return the topmost directory created (None: none was).
+
+    Raises:
+        SandboxFileNotFoundError: ``workdir`` is missing and ``create`` is false.
+        SandboxNotADirectoryError: ``workdir`` exists and is not a directory.
+        OSError: a directory could not be created.
+    """
+    missing: list[Path] = []
+    probe = workdir
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        probe = probe.parent
+    if missing and not create:
+        raise SandboxFileNotFoundError(
+            str(workdir), "the workdir does not exist; create_workdir=True creates it"
+        )
+    created: CreatedDir | None = None
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:  # made meanwhile by someone else: not ours to remove
+            continue
+        if created is None:
+            st, parent = os.lstat(directory), os.stat(directory.parent)
+            created = CreatedDir(directory, (st.st_dev, st.st_ino), (parent.st_dev, parent.st_ino))
+    if not os.path.isdir(workdir):
+        if created is not None:
+            created.remove()
+        raise SandboxNotADirectoryError(str(workdir), "the workdir is not a directory")
+    return created
+
+
 # ---------------------------------------------------------------------- removal
 
 
-def _remove_sandbox_dir(directory: Path, identity: tuple[int, int] | None) -> None:
+def _remove_sandbox_dir(
+    directory: Path,
+    identity: tuple[int, int] | None,
+    *,
+    parent_identity: tuple[int, int] | None = None,
+) -> None:
     """Remove the sandbox's directory, never following a symbolic link. Never raises.
 
     Every directory is pinned by an ``O_PATH|O_NOFOLLOW|O_DIRECTORY`` descriptor before it
@@ -129,7 +214,9 @@ def _remove_sandbox_dir(directory: Path, identity: tuple[int, int] | None) -> No
     emptied relative to its own descriptor; links and files are unlinked, never opened or
     chmodded; no mount point is crossed. ``identity`` ((st_dev, st_ino) at creation) must
     match, else the entry at that name is not the sandbox's and is left alone. A symbolic
-    link planted at the sandbox's own name is unlinked.
+    link planted at the sandbox's own name is unlinked. With ``parent_identity``, the
+    parent directory the path leads to must be that one too (a parent swapped for a link
+    to elsewhere is left alone).
     """
     errors: list[str] = []
     try:
@@ -139,6 +226,10 @@ def _remove_sandbox_dir(directory: Path, identity: tuple[int, int] | None) -> No
             log.warning("cannot remove %s: %s", directory, exc)
         return
     try:
+        parent = os.fstat(parent_fd)
+        if parent_identity is not None and (parent.st_dev, parent.st_ino) != parent_identity:
+            log.warning("%s: its parent is not the one it was created in, left alone", directory)
+            return
         name = directory.name
         try:
             st = os.lstat(name, dir_fd=parent_fd)

@@ -27,8 +27,10 @@ from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..routes import HostRoute, RouteKind
 from .config import _META, SubprocessConfig, default_root
 from .files import (
+    CreatedDir,
     _copy_tree,
     _download_tree,
+    _prepare_workdir,
     _read_file,
     _remove_path,
     _remove_sandbox_dir,
@@ -50,10 +52,16 @@ log = logging.getLogger("runtimes.subprocess")
 
 
 class SubprocessRuntime(Runtime):
-    """A private directory on the host plus process-group discipline. Not isolation."""
+    """A private directory on the host plus process-group discipline. Not isolation.
+
+    ``start()`` raises :class:`SandboxFileNotFoundError` when the config names a ``workdir``
+    that does not exist (unless ``create_workdir``), :class:`SandboxNotADirectoryError` when
+    it is not a directory, and :class:`ProvisioningError` when a directory cannot be made.
+    """
 
     name = "subprocess"
     config_model = SubprocessConfig
+    keep_supported = True
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
@@ -63,6 +71,7 @@ class SubprocessRuntime(Runtime):
         self._sessions: dict[int, int] = {}  # session id (its leader's pid) -> leader start
         self._target: _Target | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of self._dir
+        self._created: CreatedDir | None = None  # what create_workdir made, removed on close
 
     @property
     def sandbox_id(self) -> str | None:
@@ -71,7 +80,25 @@ class SubprocessRuntime(Runtime):
     async def _start(self) -> str:
         return await anyio.to_thread.run_sync(self._make_dirs)
 
+    def _given_workdir(self) -> Path | None:
+        """The config's ``workdir``, checked (or created with ``create_workdir``); None
+        when the config names none."""
+        if not self.config.workdir:
+            return None
+        self._owns_workdir = False
+        workdir = Path(self.config.workdir).absolute()
+        try:
+            self._created = _prepare_workdir(workdir, create=self.config.create_workdir)
+        except OSError as exc:
+            if isinstance(exc, SandboxError):
+                raise
+            from ..errors import ProvisioningError
+
+            raise ProvisioningError(f"cannot create the workdir {workdir}: {exc}") from exc
+        return workdir
+
     def _make_dirs(self) -> str:
+        given = self._given_workdir()
         root = Path(self.config.root or default_root())
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -80,18 +107,20 @@ class SubprocessRuntime(Runtime):
             st = os.lstat(self._dir)
             self._identity = (st.st_dev, st.st_ino)
             meta: dict[str, object] = {
-                "labels": ownership.session_labels(self.name, self.config.labels),
+                "labels": ownership.session_labels(
+                    self.name, self.config.labels, keep=self.config.keep
+                ),
                 "mark": self._mark,
                 "since": since,
             }
-            if self.config.workdir:
-                self._owns_workdir = False
-                workdir = Path(self.config.workdir).absolute()
-                workdir.mkdir(parents=True, exist_ok=True)
-                meta["workdir"] = str(workdir)
-            else:
+            if given is None:
                 workdir = self._dir / "work"
                 workdir.mkdir()
+            else:
+                workdir = given
+                meta["workdir"] = str(workdir)
+                if self._created is not None:
+                    meta["created"] = self._created.to_meta()
             self._target = _Target(
                 mark=self._mark,
                 dirs=_real_dirs(self._dir, workdir),
@@ -116,7 +145,11 @@ class SubprocessRuntime(Runtime):
 
     def _teardown(self) -> None:
         """Kill every process of the sandbox (freeze-then-kill), then remove its directory
-        without following a link. Never raises: what could not be done is logged."""
+        without following a link. Never raises: what could not be done is logged. A kept
+        sandbox (``keep=True``) is left as it is, processes and all."""
+        if self._keep:
+            self._sessions.clear()
+            return
         if self._target is not None:
             try:
                 _killed, survivors = _sweep(self._target)
@@ -130,6 +163,8 @@ class SubprocessRuntime(Runtime):
                     "%s: processes still running after close(): %s", self.describe(), survivors
                 )
             self._sessions.clear()
+        if self._created is not None:
+            self._created.remove()
         if self._dir is not None:
             _remove_sandbox_dir(self._dir, self._identity)
 
@@ -280,6 +315,20 @@ class SubprocessRuntime(Runtime):
     async def list_sandboxes(cls, config: RuntimeConfig | None = None) -> list[SandboxInfo]:
         root = Path(getattr(config, "root", None) or default_root())
         return await anyio.to_thread.run_sync(_scan_root, root)
+
+    @classmethod
+    async def shell_argv(
+        cls, info: SandboxInfo, config: RuntimeConfig | None = None, *, tty: bool
+    ) -> list[str]:
+        """``/bin/sh`` on the host, in the sandbox's workdir (see :mod:`.shell`).
+
+        Raises:
+            SandboxUnavailableError: the sandbox's directory or workdir is gone.
+        """
+        from .shell import local_shell_argv
+
+        root = Path(getattr(config, "root", None) or default_root())
+        return local_shell_argv(root / info.id)
 
     @classmethod
     async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:

@@ -16,7 +16,7 @@ from ..models import SandboxInfo
 from ..ownership import proc_stat_fields
 from ..sweep import MARK_VAR
 from .config import _META
-from .files import _remove_sandbox_dir
+from .files import CreatedDir, _remove_sandbox_dir
 
 log = logging.getLogger("runtimes.subprocess")
 
@@ -379,7 +379,8 @@ def _scan_root(root: Path) -> list[SandboxInfo]:
 def _destroy_dir(directory: Path) -> None:
     """Kill processes still running of a leaked sandbox (the same freeze-then-kill sweep as
     ``close()``, by the mark, start time and workdir its ``meta.json`` recorded, and by its
-    directories), then remove it without following links."""
+    directories), then remove it, and the workdir its ``create_workdir`` start created,
+    without following links."""
     meta = _read_meta(directory)
     workdir = directory / "work"
     declared = meta.get("workdir")
@@ -400,7 +401,26 @@ def _destroy_dir(directory: Path) -> None:
     else:
         if survivors:
             log.warning("%s: processes still running after the sweep: %s", directory, survivors)
+    created = _created_workdir(directory, meta)
+    if created is not None:
+        created.remove()
     _remove_sandbox_dir(directory, None)
+
+
+def _created_workdir(directory: Path, meta: dict[str, object]) -> CreatedDir | None:
+    """The workdir a leaked sandbox's start created, as its ``meta.json`` recorded it.
+
+    Trusted only from a ``meta.json`` this user owns: a command run as another ``user=``
+    cannot make this process remove a directory of its choosing (one run as this user
+    could remove it itself)."""
+    created = CreatedDir.from_meta(meta.get("created"))
+    if created is None:
+        return None
+    try:
+        owner = os.stat(directory / _META, follow_symlinks=False).st_uid
+    except OSError:
+        return None
+    return created if owner == os.geteuid() else None
 
 
 def _read_meta(directory: Path) -> dict[str, object]:

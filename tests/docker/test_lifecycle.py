@@ -21,7 +21,7 @@ async def test_owned_container_carries_labels_and_settings(
     docker_runtime_factory: DockerRuntimeFactory, docker_client: Any
 ) -> None:
     rt = docker_runtime_factory(
-        labels={"team": "rl"}, cpu=0.5, memory="256m", pids_limit=128, hostname="box"
+        labels={"team": "rl"}, cpus=0.5, memory="256MiB", pids_limit=128, hostname="box"
     )
     async with rt:
         assert rt.sandbox_id is not None

@@ -14,7 +14,7 @@ from runtimes.modal.config import _is_dockerfile
 def test_defaults_block_the_network_and_bound_the_lifetime() -> None:
     config = resolve_runtime_config("modal")
     assert isinstance(config, ModalConfig)
-    assert config.block_network is True and config.cidr_allowlist is None
+    assert config.network == "none" and config.cidr_allowlist is None
     assert config.timeout == 3600 and config.idle_timeout == 900
     assert config.workdir == "/work" and config.app_name == "vf-sandbox"
     assert not runtime_is_local(config)
@@ -23,13 +23,16 @@ def test_defaults_block_the_network_and_bound_the_lifetime() -> None:
 def test_an_allowlist_alone_opens_the_network_to_those_cidrs_only() -> None:
     config = resolve_runtime_config({"type": "modal", "cidr_allowlist": ["10.0.0.0/8"]})
     assert isinstance(config, ModalConfig)
-    assert config.block_network is False and config.cidr_allowlist == ["10.0.0.0/8"]
+    assert config.network == "default" and config.cidr_allowlist == ["10.0.0.0/8"]
 
 
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
+        ({"network": "none", "cidr_allowlist": ["10.0.0.0/8"]}, "cidr_allowlist"),
         ({"block_network": True, "cidr_allowlist": ["10.0.0.0/8"]}, "cidr_allowlist"),
+        ({"network": "bridge"}, "network"),
+        ({"block_network": False, "network": "default"}, "block_network"),
         ({"cidr_allowlist": ["not-a-cidr"]}, "cidr_allowlist"),
         ({"workdir": "relative/dir"}, "workdir"),
         ({"timeout": 2 * 24 * 3600}, "timeout"),

@@ -104,7 +104,7 @@ def test_cidr_allowlist_opens_the_network_to_those_cidrs_only(
     fake_service: FakeModalService, fake_modal: types.ModuleType
 ) -> None:
     async def body() -> None:
-        async with open_runtime(fake_config(cidr_allowlist=["10.0.0.0/8"], cpu=0.5, memory=512)):
+        async with open_runtime(fake_config(cidr_allowlist=["10.0.0.0/8"])):
             pass
 
     anyio.run(body)
@@ -112,7 +112,6 @@ def test_cidr_allowlist_opens_the_network_to_those_cidrs_only(
     assert call.network == "ALLOWLIST" and call.allowed_cidrs == ["10.0.0.0/8"]
     assert call.kwargs["block_network"] is False
     assert call.kwargs["outbound_cidr_allowlist"] == ["10.0.0.0/8"]
-    assert call.kwargs["cpu"] == 0.5 and call.kwargs["memory"] == 512
 
 
 def test_resource_exhausted_is_retried_until_creation_succeeds(

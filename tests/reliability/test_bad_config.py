@@ -41,8 +41,9 @@ BAD_CONFIGS: list[tuple[dict[str, Any], list[str]]] = [
     ({"type": "subprocess", "bogus": 1}, ["bogus"]),
     ({"type": "subprocess", "env": {"K": 5}}, ["env.K"]),
     ({"type": "subprocess", "labels": ["not", "a", "dict"]}, ["labels"]),
-    ({"type": "docker", "cpu": -1}, ["cpu"]),
+    ({"type": "docker", "cpus": -1}, ["cpus"]),
     ({"type": "docker", "memory": "lots"}, ["memory"]),
+    ({"type": "docker", "memory": 536870912}, ["memory", "512MiB"]),
     ({"type": "docker", "workdir": "relative/dir"}, ["workdir"]),
     ({"type": "docker", "base_url": "ftp://engine"}, ["base_url"]),
     ({"type": "docker", "max_live": 0, "api_timeout": 0}, ["max_live", "api_timeout"]),
@@ -54,10 +55,12 @@ BAD_CONFIGS: list[tuple[dict[str, Any], list[str]]] = [
     ({**SSH_BASE, "host_key": "not a key"}, ["host_key"]),
     ({**SSH_BASE, "connect_timeout": 0, "max_channels": 1}, ["connect_timeout", "max_channels"]),
     ({**SSH_BASE, "password": 12345}, ["password"]),
+    ({**SSH_BASE, "memory": 512, "cpus": 1}, ["memory", "cpus", "cannot enforce"]),
     ({"type": "modal", "workdir": "rel"}, ["workdir"]),
     ({"type": "modal", "timeout": 1}, ["timeout"]),
     ({"type": "modal", "cidr_allowlist": ["not-a-cidr"]}, ["cidr_allowlist"]),
     ({"type": "modal", "memory": -5, "app_name": ""}, ["memory", "app_name"]),
+    ({"type": "modal", "pids_limit": 64}, ["pids_limit", "cannot enforce"]),
 ]
 
 
@@ -126,15 +129,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(
-    ("args", "needle"),
+    ("args", "needle", "code"),
     [
-        (["exec", "--runtime", '{"type": "docker", "cpu": -1}', "--", "true"], "cpu"),
-        (["exec", "--runtime", '{"type": "docker", "cpu"', "--", "true"], "not valid JSON"),
-        (["exec", "--runtime", json.dumps({**SSH_BASE, "port": 0}), "--", "true"], "port"),
-        (["exec", "--runtime", "broken", "--", "true"], "vf-sandbox-broken"),
-        (["exec", "--runtime", "subprocess", "--", "/no/such/program"], "No such file"),
-        (["exec", "--runtime", "subprocess", "--"], "argv"),
-        (["cleanup", "--runtime", '{"type": "modal", "timeout": 1}'], "timeout"),
+        (["exec", "--runtime", '{"type": "docker", "cpus": -1}', "--", "true"], "cpus", 2),
+        (["exec", "--runtime", '{"type": "docker", "cpu"', "--", "true"], "not valid JSON", 2),
+        (["exec", "--runtime", json.dumps({**SSH_BASE, "port": 0}), "--", "true"], "port", 2),
+        # a plugin that cannot load is an error of the installation, not of the command line
+        (["exec", "--runtime", "broken", "--", "true"], "vf-sandbox-broken", 1),
+        # what a shell does: 127, once
+        (["exec", "--runtime", "subprocess", "--", "/no/such/program"], "program not found", 127),
+        (["exec", "--runtime", "subprocess", "--"], "argv", 2),
+        (["cleanup", "--runtime", '{"type": "modal", "timeout": 1}'], "timeout", 2),
     ],
     ids=[
         "bad-field",
@@ -146,9 +151,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         "cleanup",
     ],
 )
-def test_cli_reports_bad_input_without_a_traceback(args: list[str], needle: str) -> None:
+def test_cli_reports_bad_input_without_a_traceback(args: list[str], needle: str, code: int) -> None:
     run = _cli(*args)
-    assert run.returncode == 2, (run.returncode, run.stdout, run.stderr)
+    assert run.returncode == code, (run.returncode, run.stdout, run.stderr)
     assert needle in run.stderr, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
     assert "pw-not-shown" not in run.stdout + run.stderr
@@ -204,8 +209,8 @@ def test_malformed_model_table(tmp_path: Path, text: str, needle: str) -> None:
         (b"- {name: j, prompt: p, verdict_schema: 'no.such.module:Model'}", "no.such.module"),
         (
             b"- {name: j, prompt: p, verdict_schema: {ok: boolean},"
-            b" placement: {type: docker, cpu: -1}}",
-            "cpu",
+            b" placement: {type: docker, cpus: -1}}",
+            "cpus",
         ),
         (
             b"- {name: j, prompt: p, verdict_schema: {ok: boolean}}\n"

@@ -1,0 +1,121 @@
+"""``vf-sandbox doctor``'s probes: can each backend start a sandbox and run ``true``?
+
+Each probe runs in its own daemon thread with its own event loop, all at once. A
+backend whose client blocks in a library call that ignores cancellation (an SSH
+handshake, a Docker socket) cannot hold the report past ``--timeout``: the doctor stops
+waiting for it and reports it as not answering; the thread is abandoned at exit.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
+
+import anyio
+
+from runtimes import SandboxError, available_runtimes, open_runtime
+
+# Time a probe still gets after its timeout to close what it opened, before it is abandoned.
+CLOSE_GRACE = 2.0
+
+Target = str | dict[str, Any]
+
+
+def target_name(target: Target) -> str:
+    return target if isinstance(target, str) else str(target.get("type", "?"))
+
+
+def _row(target: Target, status: str, detail: str, started: float) -> dict[str, Any]:
+    plugin = available_runtimes().get(target_name(target))
+    return {
+        "name": target_name(target),
+        "package": plugin.distribution if plugin else None,
+        "status": status,
+        "detail": detail,
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
+async def probe_backend(target: Target, timeout: float) -> dict[str, Any]:
+    """Start a sandbox and run ``true`` in it within ``timeout``; the outcome as a row.
+
+    Never raises: a failure of any kind is the backend's row, so one broken plugin
+    cannot hide the others.
+    """
+    started = time.monotonic()
+    try:
+        with anyio.fail_after(timeout):
+            async with open_runtime(target) as rt:
+                result = await rt.exec(["true"], timeout=timeout)
+        ok = result.exit_code == 0
+        status, detail = ("ok" if ok else "unavailable"), f"exec of true exited {result.exit_code}"
+    except SandboxError as exc:
+        status, detail = "unavailable", f"{type(exc).__name__}: {exc}"
+    except TimeoutError:
+        status, detail = "unavailable", f"no answer within {timeout:g}s"
+    except Exception as exc:  # noqa: BLE001 - a plugin's own bug is reported in its row
+        status, detail = "unavailable", f"plugin bug: {type(exc).__name__}: {exc}"
+    return _row(target, status, detail, started)
+
+
+async def probe_until_stopped(
+    target: Target, timeout: float, stop: threading.Event
+) -> dict[str, Any] | None:
+    """:func:`probe_backend`, cancelled (closing what it opened) once ``stop`` is set;
+    ``None`` then."""
+    rows: list[dict[str, Any]] = []
+    async with anyio.create_task_group() as tg:
+
+        async def cancel_on_stop() -> None:
+            while not stop.is_set():  # noqa: ASYNC110 - a threading.Event, set by the main thread
+                await anyio.sleep(0.1)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(cancel_on_stop)
+        rows.append(await probe_backend(target, timeout))
+        tg.cancel_scope.cancel()
+    return None if stop.is_set() else rows[0]
+
+
+def wait_all(events: list[threading.Event], deadline: float) -> None:
+    for event in events:
+        event.wait(max(0.0, deadline - time.monotonic()))
+
+
+def probe_all(targets: list[Target], timeout: float) -> list[dict[str, Any]]:
+    """Every target probed at once; returns within ``timeout`` plus :data:`CLOSE_GRACE`.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C; the probes were cancelled and given the grace to close.
+    """
+    rows: list[dict[str, Any] | None] = [None] * len(targets)
+    stop = threading.Event()
+    # Events, not Thread.join: on Python 3.11 a join interrupted by Ctrl-C returns at once
+    # from then on, which would skip the probes' closing grace.
+    done = [threading.Event() for _ in targets]
+
+    def probe_into(i: int) -> None:
+        # Ctrl-C must reach the main thread: a SIGINT the kernel hands to another thread
+        # would not wake the main thread's wait. Threads started from here inherit the mask.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            rows[i] = anyio.run(probe_until_stopped, targets[i], timeout, stop)
+        finally:
+            done[i].set()
+
+    started = time.monotonic()
+    try:
+        for i, target in enumerate(targets):
+            name = f"doctor-{target_name(target)}"
+            threading.Thread(target=probe_into, args=(i,), name=name, daemon=True).start()
+        wait_all(done, started + timeout + CLOSE_GRACE)
+    except KeyboardInterrupt:  # also while the threads start: the started ones must stop
+        stop.set()
+        wait_all(done, time.monotonic() + CLOSE_GRACE)
+        raise
+    return [
+        row or _row(target, "unavailable", f"no answer within {timeout:g}s", started)
+        for row, target in zip(list(rows), targets, strict=True)
+    ]

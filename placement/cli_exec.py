@@ -1,0 +1,168 @@
+"""``vf-sandbox exec``: one command in a fresh sandbox, behaving like a local command.
+
+stdin is forwarded when it is not a terminal, output is streamed to the matching host
+stream as it arrives, and the exit status follows shell conventions (table in
+docs/cli.md). Ctrl-C cancels the run: the sandbox is closed (removed) before exiting 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import posixpath
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+
+from runtimes import (
+    ExecTimeoutError,
+    RuntimeConfig,
+    SandboxFileNotFoundError,
+    SandboxPermissionError,
+    SandboxResourceError,
+    open_runtime,
+)
+from runtimes.models import Stream
+
+T = TypeVar("T")
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 124
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a local command killed by a closed pipe reports
+
+
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) stopped the run after its cleanup ran."""
+
+
+def parse_env(text: str) -> tuple[str, str]:
+    """``--env K=V`` as a pair; anything without a name before ``=`` is a usage error."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def strip_separator(argv: list[str]) -> list[str]:
+    """Drop the first ``--`` only: later ones belong to the command."""
+    return argv[1:] if argv[:1] == ["--"] else argv
+
+
+def read_piped_stdin() -> bytes | None:
+    """All of stdin when it is a pipe or a file; ``None`` for a terminal (never read)."""
+    stream = sys.stdin
+    if stream is None or stream.closed or stream.isatty():
+        return None
+    return stream.buffer.read()
+
+
+def write_output(stream: Stream, chunk: bytes) -> None:
+    target = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
+    target.write(chunk)
+    target.flush()
+
+
+async def run_interruptible(body: Callable[[], Awaitable[T]]) -> T:
+    """Run ``body``; a SIGINT cancels it (its ``async with`` cleanup runs) and raises
+    :class:`Interrupted` afterwards. Further SIGINTs during that cleanup are ignored."""
+    interrupted = False
+    failure: Exception | None = None
+    outcome: list[T] = []
+    with anyio.open_signal_receiver(signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_on_sigint() -> None:
+                nonlocal interrupted
+                async for _ in signals:
+                    interrupted = True
+                    tg.cancel_scope.cancel()
+                    return
+
+            tg.start_soon(cancel_on_sigint)
+            try:
+                outcome.append(await body())
+            except Exception as exc:  # noqa: BLE001 - re-raised below unless Ctrl-C caused it
+                failure = exc
+            finally:
+                tg.cancel_scope.cancel()
+    if interrupted:
+        raise Interrupted
+    if failure is not None:
+        raise failure
+    return outcome[0]
+
+
+def names_the_program(
+    exc: SandboxFileNotFoundError | SandboxPermissionError,
+    argv: list[str],
+    cwd: str | None,
+    workdir: str,
+) -> bool:
+    """Whether the error is about ``argv[0]`` rather than ``--cwd`` (both raise the same
+    class; the filename tells them apart)."""
+    if exc.filename != argv[0]:
+        return False
+    if cwd is None:
+        return True
+    return exc.filename not in (cwd, posixpath.normpath(posixpath.join(workdir, cwd)))
+
+
+async def exec_in_fresh_sandbox(
+    config: RuntimeConfig, args: argparse.Namespace, stdin: bytes | None
+) -> int:
+    """Open a sandbox, run the command streaming its output, close the sandbox.
+
+    Returns the command's exit code, or 127/126 (message printed) when the program is
+    missing or not executable.
+
+    Raises:
+        ExecTimeoutError, SandboxError: as :meth:`runtimes.Runtime.exec` and the
+            backend's start and close.
+    """
+    argv: list[str] = args.argv
+    async with open_runtime(config) as rt:
+        try:
+            result = await rt.exec(
+                argv,
+                timeout=args.timeout,
+                cwd=args.cwd,
+                env=dict(args.env or []),
+                stdin=stdin,
+                user=args.user,
+                on_output=write_output,
+            )
+        except SandboxFileNotFoundError as exc:
+            if not names_the_program(exc, argv, args.cwd, rt.workdir):
+                raise
+            print(f"vf-sandbox: {argv[0]}: program not found", file=sys.stderr)
+            return EXIT_NOT_FOUND
+        except SandboxPermissionError as exc:
+            if not names_the_program(exc, argv, args.cwd, rt.workdir):
+                raise
+            print(f"vf-sandbox: {argv[0]}: permission denied (not executable)", file=sys.stderr)
+            return EXIT_NOT_EXECUTABLE
+    return result.exit_code
+
+
+def run_exec(config: RuntimeConfig, args: argparse.Namespace) -> int:
+    """The whole ``exec`` command once its arguments are parsed.
+
+    Raises:
+        Interrupted: Ctrl-C; the sandbox was closed first.
+        SandboxError: anything else the backend raised (timeouts are turned into 124).
+    """
+    stdin = read_piped_stdin()
+    try:
+        return anyio.run(run_interruptible, lambda: exec_in_fresh_sandbox(config, args, stdin))
+    except ExecTimeoutError as exc:
+        print(f"vf-sandbox: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except SandboxResourceError as exc:  # its output was streamed already; exit like the kill
+        print(f"vf-sandbox: {exc}", file=sys.stderr)
+        return exc.exit_code
