@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -37,14 +38,22 @@ def run_json(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, An
     return result, document
 
 
+def _ctrl_c_as_at_a_terminal() -> None:
+    # A suite started in the background by a non-interactive shell (`make test &`) runs with
+    # SIGINT ignored, and a child inherits that; a user's CLI at a terminal does not.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*args: str) -> subprocess.Popen[bytes]:
-    """The CLI in the background, with piped unbuffered output to read as it comes."""
+    """The CLI in the background, with piped unbuffered output to read as it comes, and
+    Ctrl-C (SIGINT) delivered as at a terminal."""
     return subprocess.Popen(
         [*CLI, *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=REPO,
+        preexec_fn=_ctrl_c_as_at_a_terminal,
     )
 
 
