@@ -10,9 +10,7 @@ finds an installed plugin.
 
 from __future__ import annotations
 
-import json
 import os
-import pwd
 import re
 import shutil
 import subprocess
@@ -37,7 +35,8 @@ from runtimes import (
 )
 from runtimes.cleanup import cleanup_sandboxes
 from runtimes.registry import RUNTIMES, available_runtimes, load_runtime_class, open_runtime
-from runtimes.testing import CHECKS, run_conformance
+from runtimes.testing import CHECKS
+from tests.nonroot import conformance_as_nobody
 
 pytest_plugins = ["pytester"]
 
@@ -171,29 +170,10 @@ def test_guide_plugin_root_skipped_checks_as_non_root(
     """The checks a root sandbox skips, and the non-root side of `user=`, run as `nobody`."""
     if os.geteuid() != 0:
         pytest.fail("needs root to drop to another user (run `make test` as root, as CI does)")
-    nobody = pwd.getpwnam("nobody")
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: drop privileges, run the checks, report as JSON
-        try:
-            os.close(read_end)
-            os.setgroups([])
-            os.setgid(nobody.pw_gid)
-            os.setuid(nobody.pw_uid)
-            results = run_conformance(
-                {"type": "tinybox", "root": str(box_root)},
-                select=[*sorted(ROOT_SKIPS), "user", "read_missing"],
-            )
-            os.write(
-                write_end, json.dumps([[o.name, o.status, o.detail] for o in results]).encode()
-            )
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as fh:
-        data = fh.read()
-    os.waitpid(pid, 0)
-    outcomes = {name: (status, detail) for name, status, detail in json.loads(data)}
+    outcomes = conformance_as_nobody(
+        {"type": "tinybox", "root": str(box_root)},
+        [*sorted(ROOT_SKIPS), "user", "read_missing"],
+    )
     assert outcomes == {name: ("pass", "") for name in [*ROOT_SKIPS, "user", "read_missing"]}
 
 

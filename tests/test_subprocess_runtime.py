@@ -4,9 +4,7 @@ non-root permission errors, leaks after SIGKILL, the atexit backstop, cancellati
 
 from __future__ import annotations
 
-import json
 import os
-import pwd
 import shutil
 import signal
 import subprocess
@@ -30,7 +28,7 @@ from runtimes import (
 )
 from runtimes.cleanup import cleanup_sandboxes
 from runtimes.subprocess import SubprocessRuntime
-from runtimes.testing import run_conformance
+from tests.nonroot import conformance_as_nobody
 
 
 @pytest.fixture
@@ -250,29 +248,11 @@ def test_permission_checks_as_non_root() -> None:
     """The root-only-skipped conformance checks, run for real as `nobody` in a forked child."""
     root = Path(tempfile.mkdtemp(prefix="vf-nonroot-"))  # pytest's tmp_path is root-only
     root.chmod(0o777)
-    nobody = pwd.getpwnam("nobody")
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: drop privileges, run the checks, report as JSON
-        try:
-            os.close(read_end)
-            os.setgroups([])
-            os.setgid(nobody.pw_gid)
-            os.setuid(nobody.pw_uid)
-            outcomes = run_conformance(
-                SubprocessConfig(root=str(root)),
-                select=["unreadable_file", "unwritable_directory", "user", "read_missing"],
-            )
-            payload = json.dumps([[o.name, o.status, o.detail] for o in outcomes]).encode()
-            os.write(write_end, payload)
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as fh:
-        data = fh.read()
-    os.waitpid(pid, 0)
+    outcomes = conformance_as_nobody(
+        SubprocessConfig(root=str(root)),
+        ["unreadable_file", "unwritable_directory", "user", "read_missing"],
+    )
     shutil.rmtree(root, ignore_errors=True)
-    outcomes = {name: (status, detail) for name, status, detail in json.loads(data)}
     assert outcomes == {
         "unreadable_file": ("pass", ""),
         "unwritable_directory": ("pass", ""),
