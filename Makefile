@@ -136,8 +136,28 @@ demo: install-run
 	$(VENV)/bin/vf-sandbox judge examples/rollout --judges examples/judges.yaml \
 	  --scripted examples/scripted.json --out agent-runs.json
 
-bench: install images
-	$(VENV)/bin/python -m benchmarks
+# The SWE-ReX baseline of the shell-session rows: its client in a venv of its own (kept apart from
+# the project's pins; only `make bench` makes it), its server in vf-sandbox/swerex (images/swerex,
+# same version). swe-rex does not declare aiohttp, which its RemoteRuntime imports. If the install
+# fails the benchmark still runs and its SWE-ReX row says what is missing.
+SWEREX_VERSION := 1.4.0
+SWEREX_VENV := .build/swerex-venv
+SWEREX_STAMP := $(SWEREX_VENV)/.installed-$(SWEREX_VERSION)
+
+$(SWEREX_STAMP):
+	@$(call step,installing swe-rex $(SWEREX_VERSION) into $(SWEREX_VENV) for the benchmark's SWE-ReX client)
+	rm -rf $(SWEREX_VENV)
+	if $(PYTHON) -m venv $(SWEREX_VENV) \
+	    && $(SWEREX_VENV)/bin/python -m pip install -q 'swe-rex==$(SWEREX_VERSION)' aiohttp; then
+	  touch $@
+	else
+	  echo "bench: swe-rex could not be installed into $(SWEREX_VENV); its rows will say so" >&2
+	  rm -rf $(SWEREX_VENV)
+	fi
+
+bench: install images $(SWEREX_STAMP)
+	bash images/build-images.sh $(IMAGES_FLAGS) swerex || echo "bench: vf-sandbox/swerex could not be built; its rows will say so" >&2
+	$(VENV)/bin/python -m benchmarks --swerex-python $(SWEREX_VENV)/bin/python
 
 # --- housekeeping --------------------------------------------------------------------------------------------
 clean:

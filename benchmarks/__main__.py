@@ -4,11 +4,15 @@
     python -m benchmarks --quick          # few iterations, to check that everything runs
     python -m benchmarks --sections exec,files --no-modal-fake
     python -m benchmarks --wait-load 1.5  # first wait (up to --wait-max s) for a quiet machine
+    python -m benchmarks --sections stream,shell --out ''  # two sections, no file written
 
 Needs the Docker engine and the images of ``make images`` (``vf-sandbox/base:bookworm``,
 ``vf-sandbox/sshd``). The SSH rows run against a local ``vf-sandbox/sshd`` container; the
 Modal rows against the FAKE Modal SDK of ``tests/modal`` (a Docker container behind Modal's
-client code), labelled as such: they say nothing about real Modal latency.
+client code), labelled as such: they say nothing about real Modal latency. The SWE-ReX
+baseline of the ``shell`` section needs ``vf-sandbox/swerex`` (``images/swerex``) and a venv
+holding ``swe-rex`` (``--swerex-python``; ``make bench`` makes both); without them its rows
+say what is missing.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import anyio
 from .stats import load, machine, table
 from .suite import Options, run
 
-ALL_SECTIONS = ("exec", "files", "create", "fleet", "placement", "proxy")
+DEFAULT_SWEREX_PYTHON = Path(__file__).resolve().parent.parent / ".build/swerex-venv/bin/python"
+ALL_SECTIONS = ("exec", "files", "create", "fleet", "placement", "proxy", "stream", "shell")
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Options]:
@@ -36,18 +41,31 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Options]:
     parser.add_argument("--n-create", type=int, help="creations per variant (15)")
     parser.add_argument("--sandboxes", type=int, help="concurrent sandboxes (32)")
     parser.add_argument("--execs-per-sandbox", type=int, help="execs in each (50)")
+    parser.add_argument("--n-stream", type=int, help="first-chunk samples per variant (100)")
+    parser.add_argument("--n-shell", type=int, help="session round trips per variant (200)")
+    parser.add_argument(
+        "--swerex-python",
+        default=str(DEFAULT_SWEREX_PYTHON),
+        help="python of the venv holding swe-rex (the SWE-ReX client)",
+    )
     parser.add_argument("--no-ssh", action="store_true")
     parser.add_argument("--no-modal-fake", action="store_true")
     parser.add_argument("--out", default=str(Path(__file__).with_name("RESULTS.md")))
     parser.add_argument("--wait-load", type=float, default=0.0, help="wait for a 1-min load below")
     parser.add_argument("--wait-max", type=float, default=600.0)
     args = parser.parse_args(argv)
-    options = Options(image=args.image, ssh=not args.no_ssh, modal_fake=not args.no_modal_fake)
+    options = Options(
+        image=args.image,
+        ssh=not args.no_ssh,
+        modal_fake=not args.no_modal_fake,
+        swerex_python=args.swerex_python or None,
+    )
     if args.quick:
         options.n_exec, options.n_small_file, options.n_big_file = 30, 20, 3
         options.n_create, options.sandboxes, options.execs_per_sandbox = 3, 8, 10
         options.n_placement, options.proxy_turns = 5, 20
-    for name in ("n_exec", "n_create", "sandboxes", "execs_per_sandbox"):
+        options.n_stream, options.n_shell = 20, 30
+    for name in ("n_exec", "n_create", "sandboxes", "execs_per_sandbox", "n_stream", "n_shell"):
         if getattr(args, name) is not None:
             setattr(options, name, getattr(args, name))
     options.sections = {s.strip() for s in args.sections.split(",") if s.strip()}

@@ -6,12 +6,14 @@ import datetime
 import inspect
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 Call = Callable[[], Awaitable[object] | object]
+Measure = Callable[[], Awaitable[float]]
 
 
 @dataclass
@@ -53,6 +55,26 @@ async def interleaved(calls: dict[str, Call], n: int, warmup: int = 5) -> dict[s
     for _ in range(n):
         for name, call in calls.items():
             series[name].samples.append(await timed(call))
+    return series
+
+
+async def interleaved_measures(
+    measures: dict[str, Measure], n: int, warmup: int = 5, *, shuffle: bool = False
+) -> dict[str, Series]:
+    """Like :func:`interleaved`, for calls that measure themselves (a latency inside the
+    call, a time taken in another process): each returns its own sample, in seconds.
+    ``shuffle`` takes them in a new (seeded) order every round, so that no call always
+    comes right after a slow one that leaves work behind (a busy engine or server)."""
+    series = {name: Series(name) for name in measures}
+    order = list(measures)
+    rng = random.Random(0)
+    for index in range(warmup + n):
+        if shuffle:
+            rng.shuffle(order)
+        for name in order:
+            sample = await measures[name]()
+            if index >= warmup:
+                series[name].samples.append(sample)
     return series
 
 

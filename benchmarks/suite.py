@@ -13,7 +13,10 @@ Sections (each returns markdown):
   containers left afterwards, vs the same with the SDK alone;
 * judge placement — ``placement.inputs.materialise`` + reading ``verdict.json`` vs bare writes
   of the same bytes + the same read;
-* model proxy — a turn direct vs through the recording proxy (``benchmarks.proxy_latency``).
+* model proxy — a turn direct vs through the recording proxy (``benchmarks.proxy_latency``);
+* streamed exec — first-chunk latency vs ``exec_run(stream=True)`` (``benchmarks.streaming``);
+* shell sessions — ``sh.run("true")`` vs ``exec(["true"])`` and SWE-ReX's ``run_in_session``
+  (``benchmarks.sessions``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ KEEP_ALIVE = ["sh", "-c", "trap 'exit 0' TERM INT; while :; do sleep 86400 & wai
 KiB = 1024
 MiB = 1024 * KiB
 FAKE = "modal (FAKE SDK)"
+EVERY_BACKEND = {"exec", "files", "create", "placement"}  # the sections that need sshd, fake Modal
 
 
 @dataclass
@@ -60,10 +64,22 @@ class Options:
     execs_per_sandbox: int = 50
     n_placement: int = 20
     proxy_turns: int = 100
+    n_stream: int = 100
+    n_shell: int = 200
+    swerex_python: str | None = None
     ssh: bool = True
     modal_fake: bool = True
     sections: set[str] = field(
-        default_factory=lambda: {"exec", "files", "create", "fleet", "placement", "proxy"}
+        default_factory=lambda: {
+            "exec",
+            "files",
+            "create",
+            "fleet",
+            "placement",
+            "proxy",
+            "stream",
+            "shell",
+        }
     )
 
 
@@ -134,11 +150,12 @@ class Environment:
 
     def __enter__(self) -> Environment:
         tmp = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="vf-bench-")))
-        if self.options.ssh:
+        every_backend = bool(self.options.sections & EVERY_BACKEND)
+        if self.options.ssh and every_backend:
             from tests.ssh.sshd import SSHServer
 
             self.ssh_server = self._stack.enter_context(SSHServer(tmp / "sshd"))
-        if self.options.modal_fake:
+        if self.options.modal_fake and every_backend:
             self.fake_modal = self._stack.enter_context(_fake_modal(tmp / "modal"))
         return self
 
@@ -859,4 +876,12 @@ async def run(options: Options) -> tuple[list[tuple[str, str]], list[tuple[str, 
             sections.append(("Judge placement", (await placement_section(env))[0]))
         if "proxy" in wanted:
             sections.append(("Model proxy", await proxy_section(env)))
+        if "stream" in wanted:
+            from .streaming import stream_section
+
+            sections.append(("Streamed exec: first chunk", (await stream_section(env))[0]))
+        if "shell" in wanted:
+            from .sessions import shell_section
+
+            sections.append(("Shell sessions", (await shell_section(env))[0]))
     return about, sections

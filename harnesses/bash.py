@@ -7,6 +7,14 @@ truncated to ``max_output_chars`` with a clear marker. A command that times out 
 killed (the runtime kills the whole tree) and the model is told so. The run ends when
 the model replies without tool calls; that reply is the output.
 
+With ``persistent_shell`` the run opens one shell session (:meth:`runtimes.Runtime.shell`)
+and each call is ``session.run(command, timeout=per_call_timeout)``: ``cd``, variables and
+activated venvs carry over, and the tool description and default prompt say so. A command
+that times out is interrupted (Ctrl-C, then SIGKILL) and the session goes on. A session
+that dies (``exit``, ``exec``, a shell that could not be interrupted) is reported to the
+model as that call's result and the next call gets a fresh session; a session that cannot
+be opened ends the run with ``sandbox_error`` and the :class:`~runtimes.ShellSessionError`.
+
 ``shell_vars`` are variables each command's shell has but does not export: the
 command can use ``$NAME``, the programs it runs do not inherit it. Hooks registered with
 :meth:`BashHarness.add_command_hook` run after each command, before the model sees its
@@ -23,13 +31,15 @@ from __future__ import annotations
 import re
 import time
 import weakref
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, Literal, Protocol
 
 import anyio
 from pydantic import Field, field_validator
 
 from runtimes import (
+    ExecResult,
     ExecTimeoutError,
     OutputLimitExceededError,
     Runtime,
@@ -37,8 +47,10 @@ from runtimes import (
     SandboxFileNotFoundError,
     SandboxTransportError,
     SandboxUnavailableError,
+    ShellSessionError,
 )
 from runtimes.models import MiB
+from runtimes.shell import ShellSession
 
 from .base import (
     Budget,
@@ -54,29 +66,56 @@ from .base import (
 )
 from .llm import ChatClient, Message, ModelEndpoint, ToolCall
 
-__all__ = ["BASH_TOOL", "DEFAULT_SYSTEM_PROMPT", "BashConfig", "BashHarness", "truncate_for_model"]
+__all__ = [
+    "BASH_TOOL",
+    "DEFAULT_SYSTEM_PROMPT",
+    "PERSISTENT_BASH_TOOL",
+    "PERSISTENT_SYSTEM_PROMPT",
+    "BashConfig",
+    "BashHarness",
+    "truncate_for_model",
+]
 
-BASH_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "bash",
-        "description": (
-            "Run a bash command in the sandbox and return its exit code, stdout and stderr. "
-            "Each call starts a fresh shell in the working directory."
-        ),
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "command": {"type": "string", "description": "The command line to run."}
+
+def _bash_tool(description: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "command": {"type": "string", "description": "The command line to run."}
+                },
+                "required": ["command"],
             },
-            "required": ["command"],
         },
-    },
-}
+    }
+
+
+BASH_TOOL = _bash_tool(
+    "Run a bash command in the sandbox and return its exit code, stdout and stderr. "
+    "Each call starts a fresh shell in the working directory."
+)
+
+PERSISTENT_BASH_TOOL = _bash_tool(
+    "Run a bash command in the sandbox and return its exit code, stdout and stderr. "
+    "The shell persists between calls: the working directory (cd), variables, functions "
+    "and activated environments carry over to the next call. Commands read no input."
+)
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are an agent working in a sandboxed Linux machine. Use the `bash` tool to run "
     "commands: inspect files, run programs, write files. Each call runs in a fresh shell. "
+    "When you are finished, reply with your final answer and no tool call."
+)
+
+PERSISTENT_SYSTEM_PROMPT = (
+    "You are an agent working in a sandboxed Linux machine. Use the `bash` tool to run "
+    "commands: inspect files, run programs, write files. All calls run in one persistent "
+    "shell: `cd`, variables and activated environments carry over from call to call. "
+    "A command that runs too long is interrupted. "
     "When you are finished, reply with your final answer and no tool call."
 )
 
@@ -85,7 +124,10 @@ class BashConfig(HarnessConfig):
     """Config of the ``bash`` harness."""
 
     id: Literal["bash"] = "bash"
-    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
+    system_prompt: str | None = Field(
+        default=DEFAULT_SYSTEM_PROMPT,
+        description="the default becomes PERSISTENT_SYSTEM_PROMPT with persistent_shell",
+    )
     per_call_timeout: float = Field(default=60.0, gt=0, description="seconds per command")
     max_output_chars: int = Field(
         default=10_000, ge=200, description="stdout/stderr characters shown to the model, each"
@@ -100,6 +142,10 @@ class BashConfig(HarnessConfig):
         description="variables set in each command's shell but not exported to its programs",
     )
     user: str | None = None
+    persistent_shell: bool = Field(
+        default=False,
+        description="run every command in one shell session that persists across calls",
+    )
 
     @field_validator("shell_vars")
     @classmethod
@@ -121,6 +167,14 @@ class _HookFailed(Exception):
         self.cause = cause
 
 
+class _SessionUnavailable(Exception):
+    """The persistent shell session could not be opened: the run ends with ``sandbox_error``."""
+
+    def __init__(self, cause: ShellSessionError):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 def _unexport(names: Sequence[str]) -> str:
     """A shell prelude that keeps each variable's value but stops exporting it."""
     if not names:
@@ -137,6 +191,145 @@ def truncate_for_model(text: str, limit: int) -> str:
     tail = limit - head
     omitted = len(text) - head - tail
     return f"{text[:head]}\n[... {omitted} characters truncated ...]\n{text[-tail:]}"
+
+
+class _Commands(Protocol):
+    """Where a run's commands run: :class:`_FreshShells` or :class:`_PersistentShell`."""
+
+    timeout_note: str
+    capped_note: str
+
+    async def run(self, command: str) -> ExecResult: ...
+
+    def pop_notice(self) -> str | None:
+        """What the model must be told about where this command ran, once."""
+
+
+class _FreshShells:
+    """Each command in a fresh ``bash -c`` (``sh -c`` without bash) through ``exec``."""
+
+    timeout_note = "the command was killed"
+    capped_note = "killed"
+
+    def __init__(self, runtime: Runtime, shell: str, config: BashConfig):
+        self._runtime = runtime
+        self._shell = shell
+        self._config = config
+
+    async def run(self, command: str) -> ExecResult:
+        """Raises what :meth:`runtimes.Runtime.exec` raises."""
+        config = self._config
+        env = {**config.env, **config.shell_vars}
+        return await self._runtime.exec(
+            [self._shell, "-c", _unexport(list(config.shell_vars)) + command],
+            timeout=config.per_call_timeout,
+            cwd=config.cwd,
+            env=env or None,
+            user=config.user,
+            output_limit=config.exec_output_limit,
+        )
+
+    def pop_notice(self) -> str | None:
+        return None
+
+
+class _PersistentShell:
+    """Every command in one shell session; a fresh session after one died."""
+
+    timeout_note = "the command was interrupted; the shell session goes on"
+    capped_note = "interrupted"
+
+    def __init__(self, runtime: Runtime, config: BashConfig):
+        self._runtime = runtime
+        self._config = config
+        self._session: ShellSession | None = None
+        self._stack = AsyncExitStack()
+        self._notice: str | None = None
+
+    async def run(self, command: str) -> ExecResult:
+        """Run ``command`` in the session; one found dead first (a hook or another process
+        killed it between commands) is replaced, with a notice (:meth:`pop_notice`).
+
+        Raises:
+            _SessionUnavailable: no session could be opened.
+            ShellSessionError: the session died during the command (the next call opens
+                a fresh one).
+            ExecTimeoutError, OutputLimitExceededError: the command was interrupted.
+        """
+        session = await self._live_session()
+        try:
+            return await session.run(
+                command,
+                timeout=self._config.per_call_timeout,
+                output_limit=self._config.exec_output_limit,
+            )
+        except ShellSessionError:
+            await self.close()
+            raise
+
+    def pop_notice(self) -> str | None:
+        notice, self._notice = self._notice, None
+        return notice
+
+    async def _live_session(self) -> ShellSession:
+        """The open session if it still answers (a round trip of ``:``), else a fresh one."""
+        if self._session is not None:
+            try:
+                await self._session.run(":", timeout=_PROBE_TIMEOUT)
+                return self._session
+            except (ShellSessionError, ExecTimeoutError) as exc:
+                await self.close()
+                self._notice = (
+                    f"note: the shell session had ended ({exc}); this command ran in a fresh "
+                    "shell: the working directory, variables and background jobs were reset"
+                )
+        return await self.open()
+
+    async def open(self) -> ShellSession:
+        """Open the session; ``shell_vars`` become unexported variables of it.
+
+        Raises:
+            _SessionUnavailable: the session could not start (no bash or python3, ...).
+            SandboxError: the sandbox failed.
+        """
+        config = self._config
+        env = {**config.env, **config.shell_vars}
+        try:
+            session = await self._stack.enter_async_context(
+                self._runtime.shell(cwd=config.cwd, env=env or None, user=config.user)
+            )
+            if config.shell_vars:
+                await _unexport_in(session, list(config.shell_vars))
+        except ShellSessionError as exc:
+            await self.close()
+            raise _SessionUnavailable(exc) from exc
+        self._session = session
+        return session
+
+    async def close(self) -> None:
+        """Close the session, if one is open (the session shields its own close from a
+        cancellation of the run; a shield here would break the order of cancel scopes)."""
+        self._session = None
+        stack, self._stack = self._stack, AsyncExitStack()
+        await stack.aclose()
+
+
+_PROBE_TIMEOUT = 30.0
+"""Seconds a session may take to answer ``:`` before it is taken for dead and replaced."""
+
+
+async def _unexport_in(session: ShellSession, names: Sequence[str]) -> None:
+    """Stop exporting ``names`` in ``session`` (the shell keeps their values).
+
+    Raises:
+        ShellSessionError: the prelude failed or did not finish.
+    """
+    try:
+        done = await session.run(_unexport(names), timeout=_PROBE_TIMEOUT)
+    except (ExecTimeoutError, OutputLimitExceededError) as exc:
+        raise ShellSessionError(f"the session's setup did not finish: {exc}") from exc
+    if done.exit_code != 0:
+        raise ShellSessionError(f"the session's setup failed: {done.stderr.strip()}")
 
 
 class BashHarness(Harness):
@@ -185,79 +378,102 @@ class BashHarness(Harness):
             ModelConfigError: the endpoint's API key variable is not set.
         """
         sandbox = self._require_runtime(runtime)
-        messages = task_messages(task, self.config.system_prompt)
+        messages = task_messages(task, self._system_prompt())
         trace = self.new_trace(model)
         clock = BudgetClock(budget or Budget(), trace)
         async with ChatClient(model) as client:
             with anyio.move_on_after(clock.remaining_seconds()) as scope:
                 try:
-                    await self._loop(client, sandbox, messages, trace, clock)
+                    async with self._commands(sandbox) as commands:
+                        await self._loop(client, sandbox, commands, messages, trace, clock)
                 except (SandboxUnavailableError, SandboxTransportError) as exc:
                     trace.fail("sandbox_error", f"{sandbox.describe()}: {exc}", exc)
                 except _HookFailed as exc:
                     message = f"{sandbox.describe()}: after a command: {exc.cause}"
                     trace.fail("sandbox_error", message, exc.cause)
+                except _SessionUnavailable as exc:
+                    message = f"{sandbox.describe()}: no shell session: {exc.cause}"
+                    trace.fail("sandbox_error", message, exc.cause)
         if scope.cancelled_caught:
             clock.record_time_out()
         return trace.finish()
+
+    def _system_prompt(self) -> str | None:
+        prompt = self.config.system_prompt
+        if self.config.persistent_shell and prompt == DEFAULT_SYSTEM_PROMPT:
+            return PERSISTENT_SYSTEM_PROMPT
+        return prompt
+
+    @asynccontextmanager
+    async def _commands(self, runtime: Runtime) -> AsyncIterator[_Commands]:
+        """Where this run's commands run; a persistent session is opened here and closed
+        when the run ends, however it ends."""
+        if not self.config.persistent_shell:
+            yield _FreshShells(runtime, await self._shell_for(runtime), self.config)
+            return
+        shell = _PersistentShell(runtime, self.config)
+        try:
+            await shell.open()
+            yield shell
+        finally:
+            await shell.close()
 
     async def _loop(
         self,
         client: ChatClient,
         runtime: Runtime,
+        commands: _Commands,
         messages: list[Message],
         trace: Trace,
         clock: BudgetClock,
     ) -> None:
-        shell = await self._shell_for(runtime)
+        tool = PERSISTENT_BASH_TOOL if self.config.persistent_shell else BASH_TOOL
         while not clock.record_exhaustion():
-            turn = await call_model(client, messages, trace, tools=[BASH_TOOL])
+            turn = await call_model(client, messages, trace, tools=[tool])
             if turn.reply is None:
                 return
             if not turn.reply.tool_calls:
                 trace.output = turn.reply.content
                 return
             messages.append(turn.reply.assistant_message())
-            await self._run_tools(runtime, shell, turn, messages)
+            await self._run_tools(runtime, commands, turn, messages)
 
     async def _run_tools(
-        self, runtime: Runtime, shell: str, turn: Turn, messages: list[Message]
+        self, runtime: Runtime, commands: _Commands, turn: Turn, messages: list[Message]
     ) -> None:
         assert turn.reply is not None
         for call in turn.reply.tool_calls:
-            result = await self._run_tool(runtime, shell, call)
+            result = await self._run_tool(runtime, commands, call)
             turn.tool_results.append(result)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result.output})
 
-    async def _run_tool(self, runtime: Runtime, shell: str, call: ToolCall) -> ToolResult:
+    async def _run_tool(self, runtime: Runtime, commands: _Commands, call: ToolCall) -> ToolResult:
         result = ToolResult(call_id=call.id, name=call.name, arguments=call.arguments, output="")
         command = self._command_of(call, result)
         if command is None:
             return result
         started = time.monotonic()
-        env = {**self.config.env, **self.config.shell_vars}
-        script = _unexport(list(self.config.shell_vars)) + command
         try:
-            done = await runtime.exec(
-                [shell, "-c", script],
-                timeout=self.config.per_call_timeout,
-                cwd=self.config.cwd,
-                env=env or None,
-                user=self.config.user,
-                output_limit=self.config.exec_output_limit,
-            )
+            done = await commands.run(command)
         except ExecTimeoutError as exc:
             result.timed_out = True
             result.output = self._format(
-                f"timed out after {self.config.per_call_timeout}s; the command was killed",
+                f"timed out after {self.config.per_call_timeout}s; {commands.timeout_note}",
                 exc.stdout,
                 exc.stderr,
             )
         except OutputLimitExceededError as exc:
             result.output = self._format(
-                f"killed: output exceeded {exc.limit} bytes", exc.stdout, exc.stderr
+                f"{commands.capped_note}: output exceeded {exc.limit} bytes", exc.stdout, exc.stderr
             )
-        except (SandboxUnavailableError, SandboxTransportError):
+        except ShellSessionError as exc:
+            result.output = self._format(
+                f"the shell session ended ({exc.reason}); the next command runs in a fresh "
+                "shell: the working directory, variables and background jobs are reset",
+                exc.stdout_bytes.decode("utf-8", "replace"),
+                exc.stderr_bytes.decode("utf-8", "replace"),
+            )
+        except (SandboxUnavailableError, SandboxTransportError, _SessionUnavailable):
             raise
         except SandboxError as exc:
             # A bad cwd or user, an argument the runtime refuses: the model can react.
@@ -265,6 +481,9 @@ class BashHarness(Harness):
         else:
             result.exit_code = done.exit_code
             result.output = self._format(f"exit_code: {done.exit_code}", done.stdout, done.stderr)
+        notice = commands.pop_notice()
+        if notice is not None:
+            result.output = f"{notice}\n{result.output}"
         result.duration = time.monotonic() - started
         for hook in self._hooks:
             try:

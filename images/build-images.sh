@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build vf-sandbox/<name>:latest for every images/<name>/Dockerfile.
+# Build vf-sandbox/<name>:latest for every images/<name>/Dockerfile (those holding a BENCH_ONLY
+# file only when named: `make bench` builds them).
 #
 #   images/build-images.sh [--force] [NAME...]
 #
@@ -40,6 +41,8 @@ done
 if [ "${#names[@]}" -eq 0 ]; then
     for dockerfile in "$here"/*/Dockerfile; do
         [ -f "$dockerfile" ] || continue
+        # images/<name>/BENCH_ONLY: used by `make bench` only, built when named
+        [ -e "$(dirname "$dockerfile")/BENCH_ONLY" ] && continue
         names+=("$(basename "$(dirname "$dockerfile")")")
     done
 fi

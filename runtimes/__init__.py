@@ -25,6 +25,7 @@ from .errors import (
     SandboxResourceError,
     SandboxTransportError,
     SandboxUnavailableError,
+    ShellSessionError,
     UnsafeArchiveMemberError,
 )
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
@@ -38,11 +39,13 @@ from .registry import (
     runtime_is_local,
 )
 from .subprocess import SubprocessConfig, SubprocessRuntime
+from .sync import BlockingCallInEventLoopError, SyncRuntime, SyncShellSession, open_runtime_sync
 
 if TYPE_CHECKING:
     from .cleanup import cleanup_sandboxes
 
 __all__ = [
+    "BlockingCallInEventLoopError",
     "ChannelTamperedError",
     "ExecRequest",
     "ExecResult",
@@ -65,8 +68,11 @@ __all__ = [
     "SandboxResourceError",
     "SandboxTransportError",
     "SandboxUnavailableError",
+    "ShellSessionError",
     "SubprocessConfig",
     "SubprocessRuntime",
+    "SyncRuntime",
+    "SyncShellSession",
     "UnknownRuntimeError",
     "UnsafeArchiveMemberError",
     "available_runtimes",
@@ -74,6 +80,7 @@ __all__ = [
     "live_runtimes",
     "load_runtime_class",
     "open_runtime",
+    "open_runtime_sync",
     "resolve_runtime_config",
     "runtime_is_local",
 ]

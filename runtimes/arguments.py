@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Mapping, Sequence
 
 from .errors import SandboxInvalidArgumentError
-from .models import ExecRequest
+from .models import ExecRequest, StdinSource
 
 __all__ = ["check_local_path", "exec_request", "resolve_sandbox_path", "text_bytes"]
 
@@ -82,7 +82,7 @@ def exec_request(
     cwd: Callable[[], str],
     base_env: Mapping[str, str],
     env: Mapping[str, str] | None,
-    stdin: bytes | str | None,
+    stdin: bytes | str | AsyncIterable[bytes] | None,
     user: str | None,
     timeout: float | None,
     output_limit: int,
@@ -118,7 +118,7 @@ def exec_request(
         raise SandboxInvalidArgumentError(f"timeout must be > 0, got {timeout}")
     if output_limit <= 0:
         raise SandboxInvalidArgumentError(f"output_limit must be > 0, got {output_limit}")
-    data = text_bytes(stdin, "stdin") if isinstance(stdin, str) else stdin
+    data = _stdin_source(stdin)
     return ExecRequest(
         argv=args,
         cwd=cwd(),
@@ -127,4 +127,18 @@ def exec_request(
         user=user,
         timeout=timeout,
         output_limit=output_limit,
+    )
+
+
+def _stdin_source(stdin: bytes | str | AsyncIterable[bytes] | None) -> StdinSource | None:
+    if stdin is None or isinstance(stdin, bytes):
+        return stdin
+    if isinstance(stdin, str):
+        return text_bytes(stdin, "stdin")
+    if isinstance(stdin, bytearray | memoryview):
+        return bytes(stdin)
+    if isinstance(stdin, AsyncIterable):
+        return stdin
+    raise SandboxInvalidArgumentError(
+        f"stdin must be bytes, str or an async iterable of bytes, got {type(stdin).__name__}"
     )

@@ -24,11 +24,11 @@ import logging
 import posixpath
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import ClassVar, Self, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Self, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -53,7 +53,11 @@ from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo, Stream
 from .policy import PolicyAccount
 from .primitives import Primitives
 from .routes import HostRoute, RouteKind, channel_route, choose_route
+from .shell.session import close_sessions
 from .sweep import CLOCK_TICK_SCRIPT, MARK_VAR, SWEEP_SCRIPT, sweep_argv
+
+if TYPE_CHECKING:
+    from .shell import ShellSession
 
 log = logging.getLogger("runtimes")
 
@@ -186,6 +190,8 @@ class Runtime(Primitives, Keeping):
             self._state = State.CLOSING
             lifecycle.release(self)
             try:
+                if was == State.OPEN:
+                    await close_sessions(self)  # each ends its shell over its own exec
                 if was in (State.STARTING, State.OPEN):
                     await self._close_channel()
                     if self._orphans and (self._keeps_sandbox() or self._keep):
@@ -293,10 +299,11 @@ class Runtime(Primitives, Keeping):
         timeout: float | None = None,
         cwd: PathLike | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes | str | None = None,
+        stdin: bytes | str | AsyncIterable[bytes] | None = None,
         user: str | None = None,
         output_limit: int | None = None,
         on_output: Callable[[Stream, bytes], object] | None = None,
+        keep_output: bool = True,
     ) -> ExecResult:
         """Run ``argv`` (never a shell string) inside the sandbox and wait for it.
 
@@ -305,13 +312,21 @@ class Runtime(Primitives, Keeping):
             timeout: seconds; on expiry the whole process tree is killed.
             cwd: absolute, or relative to the workdir; defaults to the workdir.
             env: variables added to the sandbox's environment for this call only.
-            stdin: bytes (or text, encoded as UTF-8) fed to the process, then closed.
+            stdin: bytes (or text, encoded as UTF-8) fed to the process, then closed; or an
+                async iterable of bytes, written chunk by chunk as it yields (never read ahead
+                of what the process took: a slow reader slows the iterable), closed when it
+                ends. The command may end first: the iterable is then left unfinished. An
+                exception it raises kills the tree and propagates. With ``on_output`` this
+                answers an interactive program line by line (``docs/streaming.md``).
             user: run as this user (backends that cannot switch raise ``SandboxPermissionError``).
             output_limit: cap on stdout + stderr together, bytes (default: the config's).
             on_output: called on the event loop with ``("stdout" | "stderr", chunk)`` as
                 output arrives, in order within each stream; the chunks are exactly the
                 bytes the result holds. It runs inline: a slow callback slows the reader,
                 never grows memory. An exception it raises kills the tree and propagates.
+            keep_output: ``False`` passes output to ``on_output`` without keeping it: the
+                result's ``stdout``/``stderr`` are empty and a stream of any length costs
+                constant host memory; ``output_limit`` still caps the bytes streamed.
 
         Returns:
             The exit code (``128 + N`` for a death by signal N) and byte-exact output.
@@ -345,7 +360,7 @@ class Runtime(Primitives, Keeping):
                 through=self._policy_passage(),
             )
         started = time.monotonic()
-        sink = OutputSink(request.output_limit, on_output=on_output)
+        sink = OutputSink(request.output_limit, on_output=on_output, keep=keep_output)
         with anyio.CancelScope() as scope:
             sink.on_overflow = scope.cancel
             if timeout is not None:
@@ -367,6 +382,56 @@ class Runtime(Primitives, Keeping):
             )
         return ExecResult(
             exit_code, bytes(sink.stdout), bytes(sink.stderr), time.monotonic() - started
+        )
+
+    def shell(
+        self,
+        *,
+        pty: bool = False,
+        size: tuple[int, int] = (24, 80),
+        cwd: PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        interrupt_grace: float = 2.0,
+        start_timeout: float = 30.0,
+    ) -> ShellSession:
+        """A persistent ``bash`` in the sandbox, to use as ``async with rt.shell() as sh:``;
+        ``await sh.run("cd src && make", timeout=60)`` returns an :class:`ExecResult`, and
+        ``cd``, variables, functions and activated venvs persist from one ``run`` to the next.
+
+        Args:
+            pty: run the shell on a terminal (programs that need one: ``top``, prompts,
+                colour); output then comes back merged in ``stdout`` as the terminal wrote
+                it (``\\r\\n`` line ends). Without it, stdout and stderr stay apart and
+                commands read an empty stdin.
+            size: the terminal's ``(rows, columns)`` (``pty`` only; ``sh.resize`` changes it).
+            cwd, env, user: where the shell starts, variables it starts with, and who runs
+                it, as for :meth:`exec`.
+            interrupt_grace: seconds between the ``SIGINT`` that interrupts a timed-out or
+                cancelled command and the ``SIGKILL`` that follows if it is still running.
+            start_timeout: seconds for the shell to be ready.
+
+        The session runs over one long ``exec`` (through the channel where the sandbox has
+        one), so several sessions may run side by side; closing the runtime closes them.
+        ``docs/shell.md`` has the details and the trust model.
+
+        Raises (on entering the block):
+            ShellSessionError: the shell could not start (no ``bash`` or ``python3`` in the
+                sandbox, or it did not become ready in ``start_timeout``).
+            SandboxInvalidArgumentError: a bad ``cwd``, ``env`` or ``size``.
+        """
+        self._check_open()
+        from .shell import ShellSession
+
+        return ShellSession(
+            self,
+            pty=pty,
+            size=size,
+            cwd=cwd,
+            env=env,
+            user=user,
+            interrupt_grace=interrupt_grace,
+            start_timeout=start_timeout,
         )
 
     async def read(self, path: PathLike, *, max_bytes: int | None = None) -> bytes:
@@ -626,7 +691,7 @@ class Runtime(Primitives, Keeping):
         timeout: float | None,
         cwd: PathLike | None,
         env: Mapping[str, str] | None,
-        stdin: bytes | str | None,
+        stdin: bytes | str | AsyncIterable[bytes] | None,
         user: str | None,
         output_limit: int | None,
     ) -> ExecRequest:

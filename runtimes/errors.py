@@ -124,7 +124,8 @@ class _CarriesOutput:
 class ExecTimeoutError(_CarriesOutput, SandboxError, TimeoutError):
     """``exec(timeout=...)`` expired, or the awaiting task was cancelled mid-exec.
 
-    The whole process tree inside the sandbox was killed before this was raised.
+    The whole process tree inside the sandbox was killed before this was raised (from a shell
+    session's ``run``: the command was interrupted and the shell lives; ``outcome`` says which).
     ``stdout_bytes`` / ``stderr_bytes`` hold the output captured up to that point.
     """
 
@@ -134,17 +135,20 @@ class ExecTimeoutError(_CarriesOutput, SandboxError, TimeoutError):
         timeout: float | None,
         stdout_bytes: bytes = b"",
         stderr_bytes: bytes = b"",
+        outcome: str = "process tree killed",
     ):
         self.argv = argv
         self.timeout = timeout
         self.stdout_bytes = stdout_bytes
         self.stderr_bytes = stderr_bytes
-        super().__init__(
-            f"command {_short_argv(argv)} timed out after {timeout}s; process tree killed"
-        )
+        self.outcome = outcome
+        super().__init__(f"command {_short_argv(argv)} timed out after {timeout}s; {outcome}")
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.argv, self.timeout, self.stdout_bytes, self.stderr_bytes))
+        return (
+            type(self),
+            (self.argv, self.timeout, self.stdout_bytes, self.stderr_bytes, self.outcome),
+        )
 
 
 class OutputLimitExceededError(_CarriesOutput, SandboxError):
@@ -270,6 +274,33 @@ class HostRouteError(SandboxError):
     def __init__(self, message: str, *, via: str | None = None):
         super().__init__(message)
         self.via = via
+
+
+class ShellSessionError(SandboxError):
+    """A shell session (:meth:`runtimes.Runtime.shell`) is dead or could not start: its shell
+    exited (``exit``, ``exec``, a signal), a command could not be interrupted and the session
+    was killed, the sandbox lacks ``bash`` or ``python3``, or the sandbox went away. The
+    message says which; ``reason`` holds it; every later ``run`` on the session raises it
+    again. ``stdout_bytes`` / ``stderr_bytes`` hold what the command in flight printed."""
+
+    def __init__(self, reason: str, stdout_bytes: bytes = b"", stderr_bytes: bytes = b""):
+        super().__init__(reason)
+        self.reason = reason
+        self.stdout_bytes = stdout_bytes
+        self.stderr_bytes = stderr_bytes
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.reason, self.stdout_bytes, self.stderr_bytes))
+
+
+class BlockingCallInEventLoopError(SandboxError, RuntimeError):
+    """A blocking :class:`~runtimes.sync.SyncRuntime` method was called from a thread that
+    runs an event loop (an ``async def``, an ``on_output`` callback in the portal thread).
+
+    Blocking there would stall that loop, or deadlock when the call needs it: use the async
+    :class:`~runtimes.base.Runtime` (``open_runtime``) in async code, or call the facade from
+    a worker thread (``anyio.to_thread.run_sync``). A ``RuntimeError`` like
+    ``asyncio.run()``'s refusal of the same mistake."""
 
 
 class ProvisioningError(SandboxError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,13 +22,14 @@ class ExecRequest:
 
     ``cwd`` is absolute; ``env`` is only what the caller (and the config) asked for, the
     backend adds its own base environment; ``stdin`` of ``None`` means an empty stdin
-    that is closed at once.
+    that is closed at once, an async iterable is written chunk by chunk as it yields
+    (:func:`stdin_chunks`), then closed.
     """
 
     argv: tuple[str, ...]
     cwd: str
     env: Mapping[str, str]
-    stdin: bytes | None
+    stdin: StdinSource | None
     user: str | None
     timeout: float | None
     output_limit: int
@@ -75,6 +76,30 @@ def _preview(data: bytes, limit: int = 80) -> str:
 
 Stream = Literal["stdout", "stderr"]
 
+StdinSource = bytes | AsyncIterable[bytes]
+"""What a command's stdin can be: all of it at once, or chunks written as they come."""
+
+
+async def stdin_chunks(stdin: StdinSource, size: int) -> AsyncIterator[bytes]:
+    """``stdin`` as chunks of at most ``size`` bytes, in order: slices of ``bytes``, or what
+    an async iterable yields (each split to ``size``; empty chunks skipped), pulled one at a
+    time, so a caller's iterable is never read ahead of what the command has taken.
+
+    Raises:
+        TypeError: the iterable yielded something that is not bytes.
+    """
+    if isinstance(stdin, bytes | bytearray | memoryview):
+        view = memoryview(stdin)
+        for offset in range(0, len(view), size):
+            yield bytes(view[offset : offset + size])
+        return
+    async for chunk in stdin:
+        if not isinstance(chunk, bytes | bytearray | memoryview):
+            raise TypeError(f"stdin chunks must be bytes, got {type(chunk).__name__}")
+        view = memoryview(chunk)
+        for offset in range(0, len(view), size):
+            yield bytes(view[offset : offset + size])
+
 
 @dataclass
 class OutputSink:
@@ -86,28 +111,42 @@ class OutputSink:
     kill the process tree). ``feed`` then returns ``False``: the backend may stop reading.
 
     ``on_output``, when set, sees every kept chunk as it arrives, in order. If it raises,
-    the sink keeps the exception in ``failure`` and stops the call the same way.
+    the sink keeps the exception in ``failure`` and stops the call the same way
+    (:meth:`fail`: also how a failing stdin source stops it). With ``keep=False`` chunks
+    are counted against the cap and passed on, but not kept: ``stdout``/``stderr`` stay
+    empty, so a stream of any length costs constant memory.
     """
 
     limit: int
     on_overflow: Callable[[], None] = lambda: None
     on_output: Callable[[Stream, bytes], object] | None = None
+    keep: bool = True
     stdout: bytearray = field(default_factory=bytearray)
     stderr: bytearray = field(default_factory=bytearray)
     overflowed: bool = False
     failure: BaseException | None = None
+    _counted: int = 0
 
     @property
     def size(self) -> int:
-        return len(self.stdout) + len(self.stderr)
+        """Bytes taken so far (kept or not), stdout and stderr together."""
+        return self._counted
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop the call because of ``exc`` (re-raised by the runtime once the tree is
+        killed); the first failure wins."""
+        if self.failure is None:
+            self.failure = exc
+        self.on_overflow()
 
     def feed(self, stream: Stream, data: bytes) -> bool:
         if self.overflowed or self.failure is not None:
             return False
-        buf = self.stdout if stream == "stdout" else self.stderr
-        room = self.limit - self.size
+        room = self.limit - self._counted
         kept = data if len(data) <= room else data[:room]
-        buf += kept
+        self._counted += len(kept)
+        if self.keep:
+            (self.stdout if stream == "stdout" else self.stderr).extend(kept)
         if kept and not self._passed_on(stream, kept):
             return False
         if len(data) <= room:
@@ -122,8 +161,7 @@ class OutputSink:
         try:
             self.on_output(stream, data)
         except Exception as exc:  # noqa: BLE001 -- the caller's error, re-raised after the kill
-            self.failure = exc
-            self.on_overflow()
+            self.fail(exc)
             return False
         return True
 

@@ -119,3 +119,32 @@ def test_example_runs_on_docker(
         client.close()
     assert left == [], "the example left its container behind"
     _check_outcome(Path.cwd(), capsys.readouterr().out)
+
+
+def _streaming_example() -> str:
+    """The README's code block under "Streaming, shell sessions, blocking code"."""
+    text = README.read_text()
+    section = text[text.index("### Streaming, shell sessions, blocking code") :]
+    match = re.search(r"^```python\n(.*?)^```$", section, re.S | re.M)
+    assert match, "the streaming section has no python code block"
+    return match.group(1)
+
+
+def test_streaming_example_runs_as_a_script(tmp_path: Path) -> None:
+    """Streaming, a shell session that survives an interrupt, and the blocking facade, as the
+    README shows them: the chunks arrive before the command ends, state persists, the timed-out
+    `sleep` is interrupted and the same shell answers after it."""
+    script = tmp_path / "streaming.py"
+    script.write_text(_streaming_example())
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "stdout b'building\\n'", result.stdout  # its own chunk: streamed
+    assert lines[1] == "stdout b'built\\n'", result.stdout
+    assert lines[2:] == ["/tmp 42", "still 42", "hi"], result.stdout

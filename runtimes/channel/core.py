@@ -4,12 +4,14 @@ remove, relay listeners), each a typed header and a conversation of frames."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterable, Mapping
+from dataclasses import dataclass, field
 
 import anyio
 
 from ..errors import HostRouteError, OutputLimitExceededError, SandboxError
 from ..models import ExecRequest, OutputSink
+from ..stdin_feed import feed_stdin, run_beside
 from .agent import wire
 from .agent.wire import (
     I32,
@@ -40,6 +42,26 @@ from .protocol import (
 from .relay import RelayListener
 
 log = logging.getLogger("runtimes.channel")
+
+
+OUTBOX_FRAMES = 32
+"""Frames waiting for the stream above which an incremental stdin is not pulled on."""
+OUTBOX_POLL = 0.001
+"""Seconds between looks at a full outbox (only while the stream does not take frames)."""
+
+
+@dataclass
+class _ExecState:
+    """What an exec's frames loop and its stdin feeder share."""
+
+    data: memoryview
+    sent: int
+    in_flight: int = 0
+    pgid: int | None = None
+    finished: bool = False
+    stdin_closed: bool = False
+    window_opened: anyio.Event = field(default_factory=anyio.Event)
+    started: anyio.Event = field(default_factory=anyio.Event)
 
 
 class Channel(FramedStream):
@@ -87,6 +109,9 @@ class Channel(FramedStream):
     async def exec(self, request: ExecRequest, sink: OutputSink, env: Mapping[str, str]) -> int:
         """Run a command through the agent; on cancellation kill its group and confirm.
 
+        A stdin given as an async iterable is sent as ``DATA`` frames as it yields, under
+        the same window as bytes, then ``EOF``; the exit stops the pulling.
+
         Raises:
             ChannelRefused / ChannelLost / SandboxGone: for the supervisor to handle.
             SandboxError subclasses: the command could not start (typed, as documented on
@@ -94,7 +119,12 @@ class Channel(FramedStream):
         """
         # The agent forwards at most the cap and the chunk that crossed it.
         pending = self._open(request.output_limit + wire.PIPE_CHUNK)
-        data = memoryview(request.stdin or b"")
+        stdin = request.stdin
+        source: AsyncIterable[bytes] | None = None
+        if stdin is None or isinstance(stdin, bytes):
+            data = memoryview(stdin or b"")
+        else:
+            source, data = stdin, memoryview(b"")
         inline = data[:INLINE]
         header = ExecHeader(
             list(request.argv),
@@ -102,41 +132,91 @@ class Channel(FramedStream):
             {**request.env, **env},
             request.user,
             request.output_limit,
-            has_stdin=bool(data),
-            stdin_complete=len(inline) == len(data),
+            has_stdin=bool(data) or source is not None,
+            stdin_complete=source is None and len(inline) == len(data),
         ).to_wire()
-        pgid: int | None = None
-        finished = False
+        state = _ExecState(data, len(inline))
         try:
             self._send_with_header(wire.EXEC, pending.rid, header, inline)
-            sent, in_flight = len(inline), 0
-            while True:
-                sent, in_flight = self._send_more(pending.rid, data, sent, in_flight)
-                kind, payload = await self._next(pending)
-                if kind == wire.STDOUT:
-                    sink.feed("stdout", payload)
-                elif kind == wire.STDERR:
-                    sink.feed("stderr", payload)
-                elif kind == wire.ACK:
-                    in_flight = self._acked(in_flight, payload)
-                elif kind == wire.STARTED:
-                    pgid = U32.unpack(payload)[0]
-                elif kind == wire.EXIT:
-                    finished = True
-                    return int(I32.unpack(payload)[0])
-                elif kind == wire.ERROR:
-                    finished = True
-                    raise exec_error(payload, request)
-                elif kind == LOST:
-                    finished = True
-                    raise ChannelLost(f"{self.label}: the channel died during an exec", pgid)
+            if source is None:
+                return await self._exec_frames(pending, request, sink, state)
+            return await run_beside(
+                lambda: self._exec_frames(pending, request, sink, state),
+                lambda: self._feed_stdin(pending.rid, source, sink, state),
+            )
         except BaseException as exc:
-            if not finished and not isinstance(exc, SandboxGone):
+            if not state.finished and not isinstance(exc, SandboxGone):
                 with anyio.CancelScope(shield=True):
-                    await self._kill(pending, pgid)
+                    await self._kill(pending, state.pgid)
             raise
         finally:
             self._finish(pending)
+
+    async def _exec_frames(
+        self, pending: PendingRequest, request: ExecRequest, sink: OutputSink, state: _ExecState
+    ) -> int:
+        """The frames of a running exec until its exit (bytes stdin sent as the window
+        allows)."""
+        while True:
+            state.sent, state.in_flight = self._send_more(
+                pending.rid, state.data, state.sent, state.in_flight
+            )
+            kind, payload = await self._next(pending)
+            if kind == wire.STDOUT:
+                sink.feed("stdout", payload)
+            elif kind == wire.STDERR:
+                sink.feed("stderr", payload)
+            elif kind == wire.ACK:
+                state.in_flight = self._acked(state.in_flight, payload)
+                state.window_opened.set()
+            elif kind == wire.STARTED:
+                state.pgid = U32.unpack(payload)[0]
+                state.started.set()
+            elif kind == wire.STDIN_CLOSED:
+                state.stdin_closed = True
+                state.window_opened.set()
+            elif kind == wire.EXIT:
+                state.finished = True
+                return int(I32.unpack(payload)[0])
+            elif kind == wire.ERROR:
+                state.finished = True
+                raise exec_error(payload, request)
+            elif kind == LOST:
+                state.finished = True
+                raise ChannelLost(f"{self.label}: the channel died during an exec", state.pgid)
+
+    async def _feed_stdin(
+        self, rid: int, source: AsyncIterable[bytes], sink: OutputSink, state: _ExecState
+    ) -> None:
+        """Send what ``source`` yields as ``DATA`` frames under the window, then ``EOF``.
+
+        Nothing is pulled before the agent said the command started (``STARTED`` comes
+        within milliseconds): an exec it refuses takes the plain path with the iterable
+        untouched."""
+        await state.started.wait()
+
+        def backlogged() -> bool:
+            return self._queued >= OUTBOX_FRAMES and self.usable
+
+        async def write(chunk: bytes) -> bool:
+            while state.in_flight >= WINDOW and not state.stdin_closed:
+                state.window_opened = anyio.Event()
+                await state.window_opened.wait()
+            # An agent that acknowledges without reading its stream would have an endless
+            # iterable pile up in the outbox: the stream itself must take the frames too.
+            while backlogged() and not state.stdin_closed:  # noqa: ASYNC110 - a thread's count
+                await anyio.sleep(OUTBOX_POLL)
+            if state.stdin_closed or not self.usable:
+                return False  # the command stopped reading, or the frames loop reports a loss
+            self._send(wire.DATA, rid, chunk)
+            state.in_flight += len(chunk)
+            return True
+
+        async def close() -> None:
+            if self.usable:
+                self._send(wire.EOF, rid)
+
+        await feed_stdin(source, sink, write, close, size=CHUNK)
 
     async def _kill(self, pending: PendingRequest, pgid: int | None) -> None:
         """Kill the request's process group (timeout, output cap, cancellation).

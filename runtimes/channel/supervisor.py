@@ -16,7 +16,7 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import anyio
@@ -29,6 +29,7 @@ from ..errors import (
     SandboxUnavailableError,
 )
 from ..models import ExecRequest, OutputSink
+from ..stdin_feed import StdinTap
 from .core import Channel
 from .framing import current_loop
 from .protocol import (
@@ -461,21 +462,39 @@ class ChannelSupervisor:
             return await plain()
         self._served += 1
         what = f"exec of {request.argv[0]!r}"
+        tap = _tap_stdin(request)
         try:
-            return await chan.exec(request, sink, env or {})
+            return await chan.exec(
+                request if tap is None else replace(request, stdin=tap), sink, env or {}
+            )
         except ChannelRefused:
             self._served -= 1
             self._fallbacks += 1
+            self._check_replayable(tap, what)
             return await plain()
         except ChannelLost as lost:
             if chan.tampered is not None:
                 raise await self._tampered(chan, what, lost.pgid) from None
             if not lost.sent:
+                self._check_replayable(tap, what)
                 return await self._unsent(chan, plain)
             raise await self._failure(chan, what, lost.pgid) from None
         except SandboxGone:
             await self._retire(chan)
             raise self._gone(what) from None
+
+    def _check_replayable(self, tap: StdinTap | None, what: str) -> None:
+        """Before the plain path serves an exec the channel did not run: a stdin iterable
+        the channel already pulled from cannot be replayed there.
+
+        Raises:
+            SandboxTransportError: part of the iterable was consumed.
+        """
+        if tap is not None and tap.pulled:
+            raise SandboxTransportError(
+                f"{self._label()}: the channel could not run the {what}, and its stdin "
+                "iterable was already partly consumed: it cannot be replayed on the plain path"
+            )
 
     async def read(self, path: str, limit: int, plain: Callable[[], Awaitable[bytes]]) -> bytes:
         """Idempotent: a channel that dies under it hands over to ``plain()``."""
@@ -532,3 +551,10 @@ class ChannelSupervisor:
         except SandboxGone:
             await self._retire(chan)
             raise self._gone(what) from None
+
+
+def _tap_stdin(request: ExecRequest) -> StdinTap | None:
+    """A tap on the request's stdin iterable (``None`` for bytes), to tell whether the
+    channel consumed any of it."""
+    stdin = request.stdin
+    return None if stdin is None or isinstance(stdin, bytes) else StdinTap(stdin)

@@ -85,7 +85,7 @@ from .process import (
     start_exec,
     wait_for_exit,
 )
-from .stream import _close_exec_stream, _open_exec_stream, _pump, _send_stdin
+from .stream import _close_exec_stream, _open_exec_stream, _pump, _start_stdin
 
 if TYPE_CHECKING:
     import docker
@@ -452,8 +452,7 @@ class DockerRuntime(Runtime):
             if hijacked.leftover:
                 output.feed(hijacked.leftover)
             async with anyio.create_task_group() as tg:
-                if request.stdin:
-                    tg.start_soon(_send_stdin, stream, request.stdin)
+                _start_stdin(tg, stream, request.stdin, sink)
                 await _pump(stream, output)
                 tg.cancel_scope.cancel()
         except BaseException:

@@ -13,6 +13,7 @@ import io
 import logging
 import socket
 import ssl
+from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,8 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from ..models import MiB
+from ..models import MiB, OutputSink, StdinSource
+from ..stdin_feed import feed_stdin
 from .client import _thread_limiter
 
 if TYPE_CHECKING:
@@ -177,12 +179,31 @@ async def _open_exec_stream(hijacked: _Hijacked) -> _ExecStream:
     return _ThreadExecStream(raw)
 
 
+def _start_stdin(
+    tg: anyio.abc.TaskGroup, stream: _ExecStream, stdin: StdinSource | None, sink: OutputSink
+) -> None:
+    """Start feeding the command's stdin (if any) beside the output pump."""
+    if isinstance(stdin, bytes):
+        if stdin:
+            tg.start_soon(_send_stdin, stream, stdin)
+    elif stdin is not None:
+        tg.start_soon(_send_stdin_source, stream, stdin, sink)
+
+
 async def _send_stdin(stream: _ExecStream, data: bytes) -> None:
     view = memoryview(data)
     for offset in range(0, len(view), _STDIN_CHUNK):
         if not await stream.send(bytes(view[offset : offset + _STDIN_CHUNK])):
             return
     await stream.send_eof()
+
+
+async def _send_stdin_source(
+    stream: _ExecStream, source: AsyncIterable[bytes], sink: OutputSink
+) -> None:
+    """Send what ``source`` yields as it yields (never read ahead of the connection),
+    then half-close; a failing source stops the call through ``sink``."""
+    await feed_stdin(source, sink, stream.send, stream.send_eof, size=_STDIN_CHUNK)
 
 
 async def _pump(stream: _ExecStream, output: _ExecOutput) -> None:

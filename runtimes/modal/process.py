@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -16,6 +16,7 @@ from ..channel import ChannelTransport, agent_command
 from ..errors import ExecTimeoutError, argument_list_too_long
 from ..models import ExecRequest, MiB, OutputSink
 from ..scripts import load
+from ..stdin_feed import feed_stdin
 from ..wrapper import CONTROL_DIR, ReportReader, argv_size, new_nonce, spool_argv, wrapper_argv
 from .client import KILL_TIMEOUT, _call, _pump, _SdkRuntime
 
@@ -160,6 +161,7 @@ class _ModalExec(_SdkRuntime):
         failures: list[Exception] = []
         code = -1
         drain_scope = anyio.CancelScope(shield=True)
+        stdin_scope = anyio.CancelScope()
 
         def feed_stdout(chunk: bytes) -> bool:
             return sink.feed("stdout", chunk)
@@ -186,14 +188,23 @@ class _ModalExec(_SdkRuntime):
                 nonlocal code
                 try:
                     code = await _call(process.wait)
+                    stdin_scope.cancel()
                 except BaseException:
                     with anyio.CancelScope(shield=True):
                         await self._kill_tree(sandbox, nonce)
                         drain_scope.deadline = anyio.current_time() + DRAIN_AFTER_KILL
                     raise
 
+            async def feed() -> None:
+                stdin = request.stdin
+                if stdin is None or isinstance(stdin, bytes):
+                    await self._feed_stdin(process, stdin)
+                    return
+                with stdin_scope:  # the exit ends it: the iterable is not pulled on
+                    await self._feed_stdin_source(process, stdin, sink, request.argv[0])
+
             work.start_soon(drain)
-            work.start_soon(record, lambda: self._feed_stdin(process, request.stdin))
+            work.start_soon(record, feed)
             work.start_soon(record, wait)
         if failures:
             raise await self._translate(failures[0], "exec", request.argv[0])
@@ -215,6 +226,31 @@ class _ModalExec(_SdkRuntime):
                 log.debug("modal: stdin not fully delivered, the process exited: %r", exc)
                 return
             raise
+
+    async def _feed_stdin_source(
+        self, process: Any, source: AsyncIterable[bytes], sink: OutputSink, program: str
+    ) -> None:
+        """Write and drain each chunk ``source`` yields as it yields, then EOF. A process
+        that exited stops the writing; a failing source stops the call through ``sink``."""
+
+        async def send(write: Callable[[], None]) -> bool:
+            try:
+                write()
+                await _call(process.stdin.drain)
+            except Exception as exc:
+                if await self._exited(process):
+                    log.debug("modal: stdin not fully delivered, the process exited: %r", exc)
+                    return False
+                raise await self._translate(exc, "exec", program) from exc
+            return True
+
+        async def write(chunk: bytes) -> bool:
+            return await send(lambda: process.stdin.write(chunk))
+
+        async def close() -> None:
+            await send(process.stdin.write_eof)
+
+        await feed_stdin(source, sink, write, close, size=STDIN_CHUNK)
 
     async def _exited(self, process: Any) -> bool:
         try:

@@ -6,6 +6,7 @@ exec channel with stdin attached).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import posixpath
 import shlex
@@ -187,6 +188,23 @@ class _RemoteCommand:
             self.channel.shutdown_write()
         except (OSError, EOFError, paramiko.SSHException):
             pass  # the command exited (or was killed) without reading all of its stdin
+
+    def send_chunk(self, data: bytes) -> bool:
+        """Send one chunk of an incremental stdin; ``False`` once the command no longer
+        reads it (it exited, was killed, or closed its stdin)."""
+        import paramiko
+
+        try:
+            self.channel.sendall(data)
+        except (OSError, EOFError, paramiko.SSHException):
+            return False
+        return True
+
+    def close_stdin(self) -> None:
+        import paramiko
+
+        with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+            self.channel.shutdown_write()
 
     def _take_header(self, data: bytes) -> bytes:
         rest = self.reader.feed(data)

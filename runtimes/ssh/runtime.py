@@ -8,6 +8,7 @@ import logging
 import posixpath
 import threading
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,8 +34,9 @@ from ..errors import (
 )
 from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..routes import HostRoute, RouteKind
+from ..stdin_feed import feed_stdin
 from ..wrapper import check_argv_size, new_nonce, spool_argv
-from .client import _Connection
+from .client import _CHUNK, _Connection
 from .config import SSHConfig
 from .connected import _ConnectedRuntime
 from .control import (
@@ -351,7 +353,7 @@ class SSHRuntime(_ConnectedRuntime):
                 with anyio.CancelScope(shield=True):
                     await self._send_command(conn, channel, command, request)
                 try:
-                    return await self._run_remote(conn, remote, request)
+                    return await self._run_remote(conn, remote, request, sink)
                 except BaseException:
                     with anyio.CancelScope(shield=True):
                         await self._abort(remote)
@@ -375,17 +377,29 @@ class SSHRuntime(_ConnectedRuntime):
             raise SandboxError(f"{self.describe()}: the server refused the command: {exc}") from exc
 
     async def _run_remote(
-        self, conn: _Connection, remote: _RemoteCommand, request: ExecRequest
+        self, conn: _Connection, remote: _RemoteCommand, request: ExecRequest, sink: OutputSink
     ) -> int:
         async def in_thread(fn: Callable[..., None], *args: Any) -> None:
             await anyio.to_thread.run_sync(
                 fn, *args, abandon_on_cancel=True, limiter=self._stream_limiter
             )
 
+        async def send_chunk(data: bytes) -> bool:
+            return await anyio.to_thread.run_sync(
+                remote.send_chunk, data, abandon_on_cancel=True, limiter=self._stream_limiter
+            )
+
+        stdin = request.stdin
         async with anyio.create_task_group() as tg:
-            if request.stdin:
-                tg.start_soon(in_thread, remote.send_stdin, request.stdin)
+            if isinstance(stdin, bytes):
+                if stdin:
+                    tg.start_soon(in_thread, remote.send_stdin, stdin)
+            elif stdin is not None:
+                close = partial(in_thread, remote.close_stdin)
+                tg.start_soon(partial(feed_stdin, stdin, sink, send_chunk, close, size=_CHUNK))
             await in_thread(remote.pump)
+            if stdin is not None and not isinstance(stdin, bytes):
+                tg.cancel_scope.cancel()  # the command ended: the iterable is not pulled on
         report = remote.reader.report
         if report is not None and not report.ok:
             raise report.error(request, where=self.describe())

@@ -7,6 +7,7 @@ import os
 import select
 import signal
 import subprocess
+from collections.abc import AsyncIterable
 from typing import IO
 
 import anyio
@@ -16,6 +17,7 @@ from ..errors import (
     SandboxError,
 )
 from ..models import ExecRequest, OutputSink, Stream
+from ..stdin_feed import feed_stdin, run_beside
 from ..wrapper import report_error
 from .config import _READ_CHUNK
 
@@ -155,6 +157,52 @@ async def _feed_stdin(pipe: IO[bytes], data: bytes | None) -> None:
     finally:
         with contextlib.suppress(OSError):
             pipe.close()
+
+
+async def _pump_with_stdin_source(
+    process: subprocess.Popen[bytes],
+    source: AsyncIterable[bytes],
+    sink: OutputSink,
+    exit_watch: _ExitWatch,
+) -> int:
+    """Drain the output and wait for the exit while ``source`` feeds stdin chunk by chunk;
+    the exit ends the feeding (the source is left unfinished)."""
+    assert process.stdin is not None and process.stdout is not None
+    assert process.stderr is not None
+    stdin, stdout, stderr = process.stdin, process.stdout.fileno(), process.stderr.fileno()
+
+    async def outputs_then_exit() -> int:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_drain, stderr, sink, "stderr")
+            await _drain(stdout, sink, "stdout")
+        return await exit_watch.wait()
+
+    return await run_beside(outputs_then_exit, lambda: _feed_stdin_source(stdin, source, sink))
+
+
+async def _feed_stdin_source(
+    pipe: IO[bytes], source: AsyncIterable[bytes], sink: OutputSink
+) -> None:
+    fd = pipe.fileno()
+    os.set_blocking(fd, False)
+
+    async def write(chunk: bytes) -> bool:
+        view = memoryview(chunk)
+        try:
+            while view:
+                try:
+                    view = view[os.write(fd, view) :]
+                except BlockingIOError:
+                    await anyio.wait_writable(fd)
+        except (BrokenPipeError, ConnectionResetError):
+            return False  # the process exited or closed its stdin: stop, no error
+        return True
+
+    async def close() -> None:
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+    await feed_stdin(source, sink, write, close, size=_READ_CHUNK)
 
 
 async def _drain(fd: int, sink: OutputSink, name: Stream) -> None:

@@ -36,7 +36,16 @@ from .files import (
     _remove_sandbox_dir,
     _write_file,
 )
-from .process import _EPOLL, _drain, _EpollPump, _ExitWatch, _feed_stdin, _kill_group, _spawn_error
+from .process import (
+    _EPOLL,
+    _drain,
+    _EpollPump,
+    _ExitWatch,
+    _feed_stdin,
+    _kill_group,
+    _pump_with_stdin_source,
+    _spawn_error,
+)
 from .sweep import (
     _SINCE_MARGIN_TICKS,
     _boot_ticks,
@@ -230,12 +239,15 @@ class SubprocessRuntime(Runtime):
         exit_watch = _ExitWatch(process)
         assert process.stdout is not None and process.stderr is not None
         try:
-            if _EPOLL:
-                code = await _EpollPump(process, request.stdin, sink, exit_watch).run()
+            stdin = request.stdin
+            if stdin is not None and not isinstance(stdin, bytes):
+                code = await _pump_with_stdin_source(process, stdin, sink, exit_watch)
+            elif _EPOLL:
+                code = await _EpollPump(process, stdin, sink, exit_watch).run()
             else:
                 async with anyio.create_task_group() as tg:
                     if process.stdin is not None:
-                        tg.start_soon(_feed_stdin, process.stdin, request.stdin)
+                        tg.start_soon(_feed_stdin, process.stdin, stdin)
                     tg.start_soon(_drain, process.stderr.fileno(), sink, "stderr")
                     await _drain(process.stdout.fileno(), sink, "stdout")
                     code = await exit_watch.wait()

@@ -38,6 +38,7 @@ ATTACKS = {
     8: "subprocess close/cleanup follows symlinks",
     9: "subprocess close leaves setsid'd processes",
     10: "model relay abused by sandbox code",
+    11: "shell session spoken for by sandbox code",
 }
 
 

@@ -36,6 +36,11 @@ Requests (host -> agent):
 * ``DATA`` / ``EOF``: more stdin of an ``EXEC``, or more content of a ``WRITE``. Each chunk
   sent as ``DATA`` is acknowledged with ``ACK`` (``u32`` bytes consumed) once written: the
   host keeps a bounded window in flight, so memory here stays bounded whatever the size.
+  The host may send stdin as it comes (an EXEC with stdin following, nothing inline, DATA
+  frames as the caller yields them); it sends none before ``STARTED``, which such an EXEC
+  gets at once (others get it with the first output, or a few milliseconds in). A command
+  that stops reading (it closed its stdin or exited) is reported once by ``STDIN_CLOSED``:
+  the host stops sending; later DATA is acknowledged and dropped.
 * ``KILL``: kill the request's whole process group (``EXEC``), or abandon a transfer.
 * ``READ`` (``u64 cap | text path``): ``CHUNK`` frames, then ``DONE``; a file over the cap is
   refused before anything is sent.

@@ -21,7 +21,18 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .output import Refused
-from .wire import ACK, EXIT, I32, PIPE_CHUNK, STARTED, STDERR, STDOUT, U32, ExecHeader
+from .wire import (
+    ACK,
+    EXIT,
+    I32,
+    PIPE_CHUNK,
+    STARTED,
+    STDERR,
+    STDIN_CLOSED,
+    STDOUT,
+    U32,
+    ExecHeader,
+)
 
 if TYPE_CHECKING:
     from .serve import Agent
@@ -91,6 +102,9 @@ class Exec:
         if killed:
             kill_group(proc.pid)
         self.pending_start = U32.pack(proc.pid)
+        if self.stdin is not None and not self.inline_first and not self.header.stdin_complete:
+            # Stdin comes as the host's caller yields it, pulled once this arrives: at once.
+            self.agent.out.send(STARTED, self.rid, self.take_start())
         return True
 
     def run(self) -> None:
@@ -175,6 +189,7 @@ class Exec:
                         view = view[os.write(fd, view) :]
                 except OSError:
                     broken = True  # the command exited or closed its stdin: the rest is dropped
+                    self.agent.out.send(STDIN_CLOSED, self.rid)
             if self.inline_first:
                 self.inline_first = False  # inline bytes are not counted in the host's window
             elif data:

@@ -40,6 +40,9 @@ HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, CHUNK, DONE, ACK = 64, 65, 66, 67, 
 ALERT, DIGEST = 73, 74
 """Request id 0: ALERT (text reason): the agent received a frame that failed authentication
 and exits; DIGEST (text path, 32-byte sha256, repeated): the files the agent runs from."""
+STDIN_CLOSED = 76
+"""Agent -> host, once per EXEC: the command no longer reads its stdin (it closed it or
+exited); the host stops sending DATA for it."""
 # the relay: LISTEN host -> agent, OPENED agent -> host, the rest both ways
 LISTEN = 9
 OPENED = 75

@@ -21,6 +21,8 @@ import anyio.abc
 
 from runtimes import ExecRequest, OutputSink, Runtime, RuntimeConfig
 from runtimes.errors import SandboxError, SandboxInvalidArgumentError, error_for_errno
+from runtimes.models import StdinSource
+from runtimes.stdin_feed import feed_stdin, run_beside
 
 _SHELL_ERRORS = {
     "No such file or directory": 2,
@@ -69,10 +71,9 @@ class EchoRuntime(Runtime):
             raise error_for_errno(exc.errno, name) from None
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_send, proc, request.stdin or b"")
                 tg.start_soon(_pump, proc.stdout, sink, "stdout")
                 tg.start_soon(_pump, proc.stderr, sink, "stderr")
-                code = await proc.wait()
+                code = await run_beside(proc.wait, lambda: _send(proc, request.stdin, sink))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 with contextlib.suppress(ProcessLookupError):
@@ -108,13 +109,22 @@ def _error_from_shell(path: str, stderr: bytes) -> SandboxError:
     return SandboxError(f"echo backend: operation on {path!r} failed: {text.strip()}")
 
 
-async def _send(proc: anyio.abc.Process, data: bytes) -> None:
-    assert proc.stdin is not None
-    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-        for i in range(0, len(data), 65536):
-            await proc.stdin.send(data[i : i + 65536])
-    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-        await proc.stdin.aclose()
+async def _send(proc: anyio.abc.Process, stdin: StdinSource | None, sink: OutputSink) -> None:
+    pipe = proc.stdin
+    assert pipe is not None
+
+    async def write(chunk: bytes) -> bool:
+        try:
+            await pipe.send(chunk)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return False  # the command closed its stdin or exited
+        return True
+
+    async def close() -> None:
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await pipe.aclose()
+
+    await feed_stdin(stdin, sink, write, close, size=65536)
 
 
 async def _pump(
