@@ -38,6 +38,7 @@ from runtimes import (
 from runtimes.lifecycle import State, live_runtimes
 from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
 from runtimes.sync import BlockingCallInEventLoopError, SyncHostRoute
+from tests.cli.cli import ctrl_c_as_at_a_terminal
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "sync.md"
@@ -329,6 +330,7 @@ def test_keyboard_interrupt_cancels_the_exec_and_kills_its_tree(tmp_path: Path) 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_as_at_a_terminal,
     )
     try:
         assert child.stdout is not None
@@ -394,6 +396,7 @@ def test_keyboard_interrupt_while_entering_a_held_context_cancels_it(tmp_path: P
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_as_at_a_terminal,
     )
     try:
         assert child.stdout is not None

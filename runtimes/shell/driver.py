@@ -52,6 +52,11 @@ DEAD = 0x44  # D: the session is dead; payload the reason, UTF-8
 HEADER = struct.Struct(">BI")
 CHUNK = 65536
 RETRY = 0.05
+RESET_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE)
+"""Set to their defaults for bash, which hands them on to its jobs as it got them."""
+DEATH_MARGIN = 3.0
+"""Seconds after the SIGKILL step (at least) before a command that still has not given the
+shell back is declared uninterruptible and the session killed."""
 SAFE_PARENTS = ("/tmp", "/var/tmp", "/dev/shm")
 NO_SAFE_PARENT = (
     "no safe directory for the session's control files: none of /tmp, /var/tmp, /dev/shm is "
@@ -190,7 +195,10 @@ class Session:
                 fcntl.ioctl(terminal, termios.TIOCSCTTY, 0)
                 for fd in (0, 1, 2):
                     os.dup2(terminal, fd)
-                signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+                # a host under nohup hands its commands SIGINT and SIGHUP ignored: a Ctrl-C or
+                # the pty's hangup must reach the shell's jobs whatever the driver inherited
+                for sig in RESET_SIGNALS:
+                    signal.signal(sig, signal.SIG_DFL)
                 echo_off(0)
                 set_window(0, self.rows, self.cols)
                 os.execve(bash, ["bash", "--noprofile", "--norc", "--noediting", "-i"], env)
@@ -298,8 +306,8 @@ class Session:
         status arrives or ``dead_at``."""
         if self.kill_at is not None and now >= self.kill_at:
             self.kill_at = now + RETRY
-            if self.dead_at is None:
-                self.dead_at = now + max(self.grace, 1.0)
+            if self.dead_at is None:  # a starved machine may take seconds to reap and re-prompt
+                self.dead_at = now + max(self.grace, DEATH_MARGIN)
             group = self.foreground()
             if group is not None and group != self.bash:
                 self.signal_foreground(signal.SIGKILL)

@@ -38,7 +38,7 @@ def run_json(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, An
     return result, document
 
 
-def _ctrl_c_as_at_a_terminal() -> None:
+def ctrl_c_as_at_a_terminal() -> None:
     # A suite started in the background by a non-interactive shell (`make test &`) runs with
     # SIGINT ignored, and a child inherits that; a user's CLI at a terminal does not.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -53,7 +53,7 @@ def start(*args: str) -> subprocess.Popen[bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=REPO,
-        preexec_fn=_ctrl_c_as_at_a_terminal,
+        preexec_fn=ctrl_c_as_at_a_terminal,
     )
 
 

@@ -34,6 +34,8 @@ class TestDockerNonRootConformance(_ThroughTheChannel):
     moves files through exec as that user), so the permission checks (skipped for root)
     apply too."""
 
+    user_variant = True  # see tests/conformance/conftest.py
+
     config = {"type": "docker", "image": "vf-sandbox/base:bookworm", "user": "nobody"}
     anyio_backends = ("asyncio",)
 
@@ -44,6 +46,7 @@ class TestDockerConformanceNoChannel(RuntimeConformance):
 
 
 class TestDockerNonRootConformanceNoChannel(RuntimeConformance):
+    user_variant = True  # see tests/conformance/conftest.py
     config = {
         "type": "docker",
         "image": "vf-sandbox/base:bookworm",

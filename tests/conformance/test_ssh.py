@@ -53,6 +53,7 @@ class TestSSHConformanceRootKey(_ThroughTheChannel):
 
 
 class TestSSHConformanceUserPassword(_ThroughTheChannel):
+    user_variant = True  # see tests/conformance/conftest.py
     anyio_backends = ("trio",)
 
     @pytest.fixture
@@ -69,6 +70,7 @@ class TestSSHConformanceRootKeyNoChannel(RuntimeConformance):
 
 
 class TestSSHConformanceUserPasswordNoChannel(RuntimeConformance):
+    user_variant = True  # see tests/conformance/conftest.py
     anyio_backends = ("asyncio",)
 
     @pytest.fixture

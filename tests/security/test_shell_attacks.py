@@ -580,19 +580,37 @@ async def test_tampering_with_status_reporting_never_gives_a_wrong_result(
 ) -> None:
     outcomes: dict[str, str] = {}
     async with open_runtime(hostile.config) as rt:
+        limiter = anyio.CapacityLimiter(8)
+
+        async def limited(command: str) -> None:
+            async with limiter:
+                await _tamper(rt, command, outcomes)
+
         async with anyio.create_task_group() as tg:
             for command in _TAMPERING.keys() - _CPU_BOUND:
-                tg.start_soon(_tamper, rt, command, outcomes)
+                tg.start_soon(limited, command)
         for command in _CPU_BOUND:
             await _tamper(rt, command, outcomes)
-    bad = {}
-    for command, allowed in _TAMPERING.items():
-        outcome = outcomes[command]
-        if outcome == "works" or (allowed == "works or dead" and outcome.startswith("dead: ")):
-            continue
-        bad[command] = outcome
+        # Running side by side is only for speed: on a loaded machine a session may miss its
+        # deadlines and be declared dead. One that must keep working is judged again, alone.
+        for command in _unexpected(outcomes):
+            if _TAMPERING[command] == "works":
+                await _tamper(rt, command, outcomes)
     print(json.dumps(outcomes, indent=1))  # the notes record which are defended / detected
+    bad = {command: outcomes[command] for command in _unexpected(outcomes)}
     assert not bad, json.dumps(bad, indent=1)
+
+
+def _unexpected(outcomes: dict[str, str]) -> list[str]:
+    """The tamperings whose outcome is not one allowed for them."""
+    return [
+        command
+        for command, allowed in _TAMPERING.items()
+        if not (
+            outcomes[command] == "works"
+            or (allowed == "works or dead" and outcomes[command].startswith("dead: "))
+        )
+    ]
 
 
 # ---------------------------------------------------------------------- a placed judge
