@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import sys
 import threading
@@ -40,6 +41,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("runtimes")
+
+ABANDON_WAIT = 60.0
+"""Seconds an interrupted caller waits for an abandoned entering to clean up (a portal that
+never ran it would otherwise hold the caller forever)."""
 
 T = TypeVar("T")
 
@@ -168,13 +173,23 @@ class HeldContext(Generic[T]):
         self._finished = threading.Event()
         self._leave: anyio.Event | None = None
         self._task: concurrent.futures.Future[None] | None = None
+        self._abandon = threading.Lock()
+        self._abandoned = False
+        self._scope: anyio.CancelScope | None = None
 
     async def _hold(self) -> None:
         try:
-            leave = self._leave = anyio.Event()
-            async with self._cm as value:
-                self._entered.set_result(value)
-                await leave.wait()
+            with anyio.CancelScope() as scope:
+                with self._abandon:
+                    self._scope = scope
+                    if self._abandoned:
+                        scope.cancel()
+                leave = self._leave = anyio.Event()
+                async with self._cm as value:
+                    self._entered.set_result(value)
+                    await leave.wait()
+            if not self._entered.done():
+                self._entered.cancel()
         except BaseException as exc:
             if not self._entered.done():
                 self._entered.set_exception(exc)
@@ -184,16 +199,25 @@ class HeldContext(Generic[T]):
 
     def enter(self) -> T:
         """Enter ``cm`` on the loop; what its ``__aenter__`` returns. Raises what that
-        raises; interrupted here (``KeyboardInterrupt``), the entering is cancelled and
-        its cleanup waited for before the interrupt propagates."""
-        task = self._task = self._portal.start_task_soon(self._hold)
+        raises; interrupted here (``KeyboardInterrupt``, even before the portal confirmed
+        it started the entering), the entering is cancelled and its cleanup waited for
+        before the interrupt propagates."""
         try:
+            self._task = self._portal.start_task_soon(self._hold)
             return self._entered.result()
         except BaseException:
             if not self._entered.done():
-                task.cancel()
-                self._finished.wait()
+                self._cancel_entering()
             raise
+
+    def _cancel_entering(self) -> None:
+        with self._abandon:
+            self._abandoned = True  # _hold cancels itself if it starts after this
+            scope = self._scope
+        if scope is not None:
+            with contextlib.suppress(RuntimeError):  # the portal stopped: nothing runs
+                self._portal.call(scope.cancel)
+        self._finished.wait(ABANDON_WAIT)
 
     def exit(self) -> None:
         """Leave ``cm`` (its ``__aexit__`` runs on the loop) and wait for it; raises what
