@@ -28,7 +28,7 @@ from collections.abc import AsyncIterable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, ClassVar, Self, TypeVar
+from typing import ClassVar, Self, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -53,11 +53,8 @@ from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo, Stream
 from .policy import PolicyAccount
 from .primitives import Primitives
 from .routes import HostRoute, RouteKind, channel_route, choose_route
-from .shell.session import close_sessions
+from .shell.session import ShellSession, close_sessions
 from .sweep import CLOCK_TICK_SCRIPT, MARK_VAR, SWEEP_SCRIPT, sweep_argv
-
-if TYPE_CHECKING:
-    from .shell import ShellSession
 
 log = logging.getLogger("runtimes")
 
@@ -421,8 +418,6 @@ class Runtime(Primitives, Keeping):
             SandboxInvalidArgumentError: a bad ``cwd``, ``env`` or ``size``.
         """
         self._check_open()
-        from .shell import ShellSession
-
         return ShellSession(
             self,
             pty=pty,

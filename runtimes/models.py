@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,7 +23,7 @@ class ExecRequest:
     ``cwd`` is absolute; ``env`` is only what the caller (and the config) asked for, the
     backend adds its own base environment; ``stdin`` of ``None`` means an empty stdin
     that is closed at once, an async iterable is written chunk by chunk as it yields
-    (:func:`stdin_chunks`), then closed.
+    (:func:`runtimes.stdin_feed.feed_stdin`), then closed.
     """
 
     argv: tuple[str, ...]
@@ -78,27 +78,6 @@ Stream = Literal["stdout", "stderr"]
 
 StdinSource = bytes | AsyncIterable[bytes]
 """What a command's stdin can be: all of it at once, or chunks written as they come."""
-
-
-async def stdin_chunks(stdin: StdinSource, size: int) -> AsyncIterator[bytes]:
-    """``stdin`` as chunks of at most ``size`` bytes, in order: slices of ``bytes``, or what
-    an async iterable yields (each split to ``size``; empty chunks skipped), pulled one at a
-    time, so a caller's iterable is never read ahead of what the command has taken.
-
-    Raises:
-        TypeError: the iterable yielded something that is not bytes.
-    """
-    if isinstance(stdin, bytes | bytearray | memoryview):
-        view = memoryview(stdin)
-        for offset in range(0, len(view), size):
-            yield bytes(view[offset : offset + size])
-        return
-    async for chunk in stdin:
-        if not isinstance(chunk, bytes | bytearray | memoryview):
-            raise TypeError(f"stdin chunks must be bytes, got {type(chunk).__name__}")
-        view = memoryview(chunk)
-        for offset in range(0, len(view), size):
-            yield bytes(view[offset : offset + size])
 
 
 @dataclass

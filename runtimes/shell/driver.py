@@ -80,8 +80,12 @@ def no_dump() -> None:
 
 
 def find_bash(env: Mapping[str, str]) -> str | None:
+    """``bash`` on the absolute directories of PATH: an empty or relative entry would be the
+    workdir, where the policy may have left a ``bash`` of its own."""
     for folder in env.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(":"):
-        path = os.path.join(folder or ".", "bash")
+        if not folder.startswith("/"):
+            continue
+        path = os.path.join(folder, "bash")
         if os.path.isfile(path) and os.access(path, os.X_OK):
             return path
     return None

@@ -47,6 +47,16 @@ def resize_payload(rows: int, cols: int) -> bytes:
     return struct.pack(">HH", rows, cols)
 
 
+MAX_PAYLOAD = 1 << 20
+"""The longest payload the host accepts from the driver (it sends at most 64 KiB at once): a
+header announcing more is refused before anything of it is buffered."""
+
+
+class DriverProtocolError(Exception):
+    """The driver sent what the real one never sends (an oversize frame, a status that is not
+    a number): the sandbox's ``python3`` may have been replaced. The session is killed."""
+
+
 class FrameParser:
     """Frames out of a byte stream cut anywhere."""
 
@@ -54,12 +64,18 @@ class FrameParser:
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        """The frames ``data`` completed, in order (a partial one waits for more)."""
+        """The frames ``data`` completed, in order (a partial one waits for more).
+
+        Raises:
+            DriverProtocolError: a header announces more than :data:`MAX_PAYLOAD` bytes.
+        """
         self._buffer += data
         frames: list[tuple[int, bytes]] = []
         offset = 0
         while len(self._buffer) - offset >= HEADER.size:
             kind, size = HEADER.unpack_from(self._buffer, offset)
+            if size > MAX_PAYLOAD:
+                raise DriverProtocolError(f"a frame of {size} bytes (at most {MAX_PAYLOAD})")
             end = offset + HEADER.size + size
             if len(self._buffer) < end:
                 break
@@ -67,6 +83,17 @@ class FrameParser:
             offset = end
         del self._buffer[:offset]
         return frames
+
+
+def number(payload: bytes) -> int:
+    """A READY or END payload: a pid or a status, in ASCII digits.
+
+    Raises:
+        DriverProtocolError: anything else.
+    """
+    if not payload.isdigit() or len(payload) > 10:
+        raise DriverProtocolError(f"not a number: {payload[:40]!r}")
+    return int(payload)
 
 
 @cache

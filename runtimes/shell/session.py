@@ -346,6 +346,8 @@ class ShellSession:
                     user=self._user,
                 )
                 reason = self._exit_reason(result.exit_code)
+        except protocol.DriverProtocolError as exc:  # raised by _on_output: the exec was killed
+            reason = f"the shell session's driver broke its protocol ({exc}); it was killed"
         except SandboxError as exc:
             if not self._ready.is_set():
                 reason = f"the shell could not start: {exc}"
@@ -383,10 +385,10 @@ class ShellSession:
                     self._send_frame(protocol.INTERRUPT)
         elif kind == protocol.END:
             if run is not None:
-                run.exit_code = int(payload)
+                run.exit_code = protocol.number(payload)
                 run.done.set()
         elif kind == protocol.READY:
-            self.pid = int(payload)
+            self.pid = protocol.number(payload)
             self._ready.set()
             self._ready_or_dead.set()
         elif kind == protocol.DEAD:

@@ -645,3 +645,71 @@ async def test_persistent_shell_judge_keeps_its_verdict(
         assert "verdict at /" in second, "the fresh session lost the judge's shell variables"
         assert runs[0].verdict == {"passed": False}, "the policy's writer forged the verdict"
         assert await forged(rt) == []
+
+
+# ---------------------------------------------------------------------- (f) a replaced driver
+
+# What a policy that replaced the sandbox's python3 answers a session with (played by putting a
+# fake python3 first on the session's PATH): a frame header announcing 4 GiB, then an endless
+# stream; or a READY whose pid is not a number.
+_FAKE_DRIVERS = {
+    "flood": "printf 'S\\377\\377\\377\\377'; exec cat /dev/zero \"$0\"\n",
+    "garbled": "printf 'S\\000\\000\\000\\003abc'; exec cat \"$0\" /dev/stdin\n",
+}
+
+
+@pytest.mark.attack(7, 11)
+@pytest.mark.parametrize("hostile", LOCAL, indirect=True)
+@pytest.mark.parametrize("fake", sorted(_FAKE_DRIVERS))
+async def test_a_replaced_driver_is_refused_in_bounded_host_memory(
+    hostile: Hostile, fake: str
+) -> None:
+    import tracemalloc
+
+    async with open_runtime(hostile.config) as rt:
+        fake_bin = f"{rt.workdir}/fake-bin"
+        await rt.write(f"{fake_bin}/python3", "#!/bin/sh\n" + _FAKE_DRIVERS[fake])
+        assert (await rt.exec(["chmod", "+x", f"{fake_bin}/python3"])).exit_code == 0
+        path = (await rt.exec(["sh", "-c", 'printf %s "$PATH"'])).stdout
+        tracemalloc.start()
+        try:
+            started = time.monotonic()
+            with pytest.raises(ShellSessionError) as caught:
+                async with rt.shell(env={"PATH": f"{fake_bin}:{path}"}, start_timeout=20):
+                    pass
+            took = time.monotonic() - started
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert "broke its protocol" in caught.value.reason, caught.value.reason
+        assert took < 15, f"refused only after {took:.1f}s"
+        assert peak < 32 << 20, f"the host buffered {peak >> 20} MiB of the fake driver's frame"
+        assert await _no_fake_left(rt, fake_bin), "the fake driver was left running"
+        assert (await rt.exec(["echo", "still usable"])).stdout == "still usable\n"
+
+
+async def _no_fake_left(rt: Runtime, fake_bin: str) -> bool:
+    for _ in range(40):
+        ps = await rt.exec(["ps", "-eo", "args"])
+        if not any(fake_bin in line for line in ps.stdout.splitlines()):
+            return True
+        await anyio.sleep(0.05)
+    return False
+
+
+@pytest.mark.attack(11)
+@pytest.mark.parametrize("hostile", ["docker-root"], indirect=True)
+async def test_a_bash_planted_in_the_workdir_is_not_the_sessions_shell(hostile: Hostile) -> None:
+    """A PATH with an empty entry (the current directory, the workdir where the session
+    starts): the policy's ./bash there is not what the driver runs. (Not played on the
+    subprocess target: there python3 may itself be a bash script, a pyenv shim, which `env`
+    finds through that same entry — any exec with such a PATH would; see docs/shell.md.)"""
+    async with open_runtime(hostile.config) as rt:
+        marker = f"{rt.workdir}/planted-bash-ran"
+        await rt.write("bash", f'#!/bin/sh\ntouch {marker}\nexec /bin/sh "$@"\n')
+        assert (await rt.exec(["chmod", "+x", "bash"])).exit_code == 0
+        path = (await rt.exec(["sh", "-c", 'printf %s "$PATH"'])).stdout
+        async with rt.shell(env={"PATH": f":{path}"}) as sh:
+            result = await sh.run('echo "$BASH_VERSION"', timeout=30)
+        assert result.exit_code == 0 and result.stdout.strip(), result
+        assert not await rt.exists(marker), "the session ran the policy's ./bash"
