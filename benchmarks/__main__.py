@@ -12,7 +12,9 @@ Modal rows against the FAKE Modal SDK of ``tests/modal`` (a Docker container beh
 client code), labelled as such: they say nothing about real Modal latency. The SWE-ReX
 baseline of the ``shell`` section needs ``vf-sandbox/swerex`` (``images/swerex``) and a venv
 holding ``swe-rex`` (``--swerex-python``; ``make bench`` makes both); without them its rows
-say what is missing.
+say what is missing. The ``inspect`` section needs ``inspect_ai`` and, for inspect's own
+Docker sandbox, the ``docker compose`` v2 plugin (``make compose``; ``make bench`` tries it);
+a sandbox that cannot run there is listed as not available, with the reason.
 """
 
 from __future__ import annotations
@@ -26,10 +28,9 @@ from pathlib import Path
 import anyio
 
 from .stats import load, machine, table
-from .suite import Options, run
+from .suite import ALL_SECTIONS, Options, run
 
 DEFAULT_SWEREX_PYTHON = Path(__file__).resolve().parent.parent / ".build/swerex-venv/bin/python"
-ALL_SECTIONS = ("exec", "files", "create", "fleet", "placement", "proxy", "stream", "shell")
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Options]:
@@ -43,6 +44,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Options]:
     parser.add_argument("--execs-per-sandbox", type=int, help="execs in each (50)")
     parser.add_argument("--n-stream", type=int, help="first-chunk samples per variant (100)")
     parser.add_argument("--n-shell", type=int, help="session round trips per variant (200)")
+    parser.add_argument("--n-inspect", type=int, help="inspect_ai ops per op and sandbox (100)")
     parser.add_argument(
         "--swerex-python",
         default=str(DEFAULT_SWEREX_PYTHON),
@@ -64,8 +66,16 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Options]:
         options.n_exec, options.n_small_file, options.n_big_file = 30, 20, 3
         options.n_create, options.sandboxes, options.execs_per_sandbox = 3, 8, 10
         options.n_placement, options.proxy_turns = 5, 20
-        options.n_stream, options.n_shell = 20, 30
-    for name in ("n_exec", "n_create", "sandboxes", "execs_per_sandbox", "n_stream", "n_shell"):
+        options.n_stream, options.n_shell, options.n_inspect = 20, 30, 10
+    for name in (
+        "n_exec",
+        "n_create",
+        "sandboxes",
+        "execs_per_sandbox",
+        "n_stream",
+        "n_shell",
+        "n_inspect",
+    ):
         if getattr(args, name) is not None:
             setattr(options, name, getattr(args, name))
     options.sections = {s.strip() for s in args.sections.split(",") if s.strip()}

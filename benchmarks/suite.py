@@ -17,6 +17,9 @@ Sections (each returns markdown):
 * streamed exec — first-chunk latency vs ``exec_run(stream=True)`` (``benchmarks.streaming``);
 * shell sessions — ``sh.run("true")`` vs ``exec(["true"])`` and SWE-ReX's ``run_in_session``
   (``benchmarks.sessions``).
+* inspect_ai sandboxes — ``exec``, ``write_file``, ``read_file`` through inspect's built-in
+  Docker sandbox, vf-sandbox's inspect provider, the Docker SDK and inspect's local sandbox
+  (``benchmarks.inspect_sandbox``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,19 @@ FAKE = "modal (FAKE SDK)"
 EVERY_BACKEND = {"exec", "files", "create", "placement"}  # the sections that need sshd, fake Modal
 
 
+ALL_SECTIONS = (
+    "exec",
+    "files",
+    "create",
+    "fleet",
+    "placement",
+    "proxy",
+    "stream",
+    "shell",
+    "inspect",
+)
+
+
 @dataclass
 class Options:
     image: str = "vf-sandbox/base:bookworm"
@@ -66,21 +82,11 @@ class Options:
     proxy_turns: int = 100
     n_stream: int = 100
     n_shell: int = 200
+    n_inspect: int = 100
     swerex_python: str | None = None
     ssh: bool = True
     modal_fake: bool = True
-    sections: set[str] = field(
-        default_factory=lambda: {
-            "exec",
-            "files",
-            "create",
-            "fleet",
-            "placement",
-            "proxy",
-            "stream",
-            "shell",
-        }
-    )
+    sections: set[str] = field(default_factory=lambda: set(ALL_SECTIONS))
 
 
 @dataclass
@@ -884,4 +890,8 @@ async def run(options: Options) -> tuple[list[tuple[str, str]], list[tuple[str, 
             from .sessions import shell_section
 
             sections.append(("Shell sessions", (await shell_section(env))[0]))
+        if "inspect" in wanted:
+            from .inspect_sandbox import inspect_section
+
+            sections.append(("inspect_ai sandboxes", (await inspect_section(env))[0]))
     return about, sections

@@ -60,26 +60,11 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 [ -r "$ca_bundle" ] || die "CA bundle $ca_bundle not readable"
 
-# --- mirror: the host's own apt sources (deb822 or one-line format, via apt itself) --------------
-# `apt-get --print-uris update` prints (without fetching, and without needing any lists) the
-# Release files `apt-get update` would fetch, whatever the sources format: ".../dists/<suite>/InRelease".
-host_targets=$(apt-get --print-uris update 2>/dev/null </dev/null |
-    sed -n "s|^'\(.*\)/dists/\(.*\)/InRelease'.*|\1 \2|p" | awk '!seen[$0]++' || true)
-pick_uri() { # $1: main | other-main | security | updates; prints the first such URI, without trailing /
-    awk -v kind="$1" -v suite="$suite" '
-        (kind == "main" && $2 == suite) ||
-        (kind == "other-main" && $2 !~ /[-\/]/) ||
-        (kind == "security" && ($2 ~ /-security$/ || $2 ~ /\/updates$/)) ||
-        (kind == "updates" && $2 ~ /-updates$/) { sub(/\/+$/, "", $1); print $1; exit }' <<<"$host_targets"
-}
-mirror=${VF_SANDBOX_DEBIAN_MIRROR:-}
-if [ -z "$mirror" ]; then
-    mirror=$(pick_uri main)
-    # Host on another release: take its main archive (a release without a "-suffix").
-    [ -n "$mirror" ] || mirror=$(pick_uri other-main)
-fi
+# --- mirror: the host's own apt sources -----------------------------------------------------------
+# shellcheck source=images/apt-mirror.sh
+. "$here/apt-mirror.sh"
+mirror=$(debian_mirror)
 [ -n "$mirror" ] || die "no Debian mirror found in the host apt sources; set VF_SANDBOX_DEBIAN_MIRROR"
-mirror=${mirror%/}
 
 security=${VF_SANDBOX_DEBIAN_SECURITY_MIRROR:-}
 [ -n "$security" ] || security=$(pick_uri security)

@@ -25,6 +25,8 @@ from .errors import (
     SandboxResourceError,
     SandboxTransportError,
     SandboxUnavailableError,
+    SandboxUserNotFoundError,
+    SandboxUserRefusedError,
     ShellSessionError,
     UnsafeArchiveMemberError,
 )
@@ -68,6 +70,8 @@ __all__ = [
     "SandboxResourceError",
     "SandboxTransportError",
     "SandboxUnavailableError",
+    "SandboxUserNotFoundError",
+    "SandboxUserRefusedError",
     "ShellSessionError",
     "SubprocessConfig",
     "SubprocessRuntime",

@@ -94,6 +94,7 @@ async def cleanup_sandboxes(
     older_than: float | None = None,
     dry_run: bool = False,
     kept: bool = False,
+    match: Mapping[str, str] | None = None,
 ) -> list[SweepResult]:
     """Find labelled sandboxes on each backend and remove those that leaked.
 
@@ -102,7 +103,8 @@ async def cleanup_sandboxes(
     its default config. A backend that cannot be reached is logged and skipped, never
     fatal for the others. The current session's own sandboxes are kept unless
     ``all_sessions``. Kept sandboxes (``keep=True``) are removed only with ``kept`` (of
-    any session, this one's included) or ``all_sessions``.
+    any session, this one's included) or ``all_sessions``. ``match`` narrows the sweep to
+    sandboxes carrying all of these labels (others are not reported).
     """
     results: list[SweepResult] = []
     targets = list(backends) if backends is not None else list(available_runtimes())
@@ -115,6 +117,8 @@ async def cleanup_sandboxes(
             log.warning("cleanup: skipping backend %s: %s", name, exc)
             continue
         for info in found:
+            if match and any(info.labels.get(key) != value for key, value in match.items()):
+                continue
             sweep, reason = _should_sweep(info.labels, all_sessions, older_than, kept)
             own = info.labels.get(ownership.SESSION) == ownership.SESSION_ID
             if not sweep or (own and not all_sessions and not ownership.is_kept(info.labels)):

@@ -7,6 +7,7 @@ model through the plugin registry, so third-party backends validate the same way
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError
@@ -36,6 +37,11 @@ class RuntimeConfig(ResourceLimits):
     output_limit: int = Field(default=DEFAULT_OUTPUT_LIMIT, gt=0)
     read_limit: int = Field(default=DEFAULT_READ_LIMIT, gt=0)
     keep: bool = Field(default=False, description="leave the sandbox running after close()")
+
+    def __hash__(self) -> int:
+        # frozen, so hashable, but pydantic's default hash fails on the dict fields; equal
+        # configs dump to the same sorted JSON (inspect uses configs as dict keys)
+        return hash((type(self), json.dumps(self.model_dump(mode="json"), sort_keys=True)))
 
     def is_local(self) -> bool:
         """Whether the sandbox shares the host's network namespace (and so its loopback)."""

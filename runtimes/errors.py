@@ -33,6 +33,8 @@ __all__ = [
     "SandboxResourceError",
     "SandboxTransportError",
     "SandboxUnavailableError",
+    "SandboxUserNotFoundError",
+    "SandboxUserRefusedError",
     "UnsafeArchiveMemberError",
     "arg_too_long",
     "argument_list_too_long",
@@ -96,6 +98,11 @@ class SandboxPermissionError(_SandboxOSError, PermissionError):
     default_errno = _errno.EACCES
 
 
+class SandboxUserRefusedError(SandboxPermissionError):
+    """``exec(user=...)`` (or a shell's ``user=``) cannot switch to that user here: the
+    backend or the sandbox's own user lacks the privilege. ``filename`` is the program."""
+
+
 class SandboxFileExistsError(_SandboxOSError, FileExistsError):
     """The target exists and the operation refuses to replace it."""
 
@@ -104,6 +111,10 @@ class SandboxFileExistsError(_SandboxOSError, FileExistsError):
 
 class SandboxInvalidArgumentError(SandboxError, ValueError):
     """An argument can never be valid: a NUL byte in a path, an empty argv, a bad env name."""
+
+
+class SandboxUserNotFoundError(SandboxInvalidArgumentError):
+    """``exec(user=...)`` named a user the sandbox does not have."""
 
 
 class _CarriesOutput:
@@ -370,15 +381,15 @@ def arg_too_long(size: int) -> SandboxInvalidArgumentError:
     )
 
 
-def no_such_user(user: str | None, detail: str | None = None) -> SandboxInvalidArgumentError:
+def no_such_user(user: str | None, detail: str | None = None) -> SandboxUserNotFoundError:
     """``exec(user=...)`` named a user the sandbox does not have."""
     suffix = f" ({detail})" if detail else ""
-    return SandboxInvalidArgumentError(f"no such user in the sandbox: {user!r}{suffix}")
+    return SandboxUserNotFoundError(f"no such user in the sandbox: {user!r}{suffix}")
 
 
-def cannot_run_as(program: str, user: str | None, reason: str) -> SandboxPermissionError:
+def cannot_run_as(program: str, user: str | None, reason: str) -> SandboxUserRefusedError:
     """``exec(user=...)`` cannot switch to ``user`` here; ``reason`` says why."""
-    return SandboxPermissionError(program, f"cannot run as user {user!r}: {reason}")
+    return SandboxUserRefusedError(program, f"cannot run as user {user!r}: {reason}")
 
 
 def _short_argv(argv: list[str], limit: int = 120) -> str:

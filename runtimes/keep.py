@@ -51,6 +51,22 @@ class Keeping:
     """Whether ``close()`` leaves the sandbox: set by ``start()`` once a ``keep=True``
     sandbox is open (a start that failed is cleaned up as usual)."""
 
+    def keep_at_close(self) -> None:
+        """Leave this open sandbox running at ``close()`` (and at interpreter exit), as
+        ``keep=True`` would, when that is decided only after it started (inspect's
+        ``--no-sandbox-cleanup``). It lacks the keep label: ``vf-sandbox cleanup`` removes it
+        once this process has ended, like any sandbox of a dead session.
+
+        Raises:
+            RuntimeConfigError: the backend cannot keep a sandbox.
+        """
+        if not self.keep_supported:
+            raise RuntimeConfigError(
+                f"the {self.name} backend cannot keep a sandbox after close()",
+                [{"type": "value_error", "loc": ("keep",), "msg": "keep is not supported"}],
+            )
+        self._keep = True
+
     def _check_keep(self) -> None:
         """Refuse ``keep=True`` on a backend that would destroy the sandbox anyway.
 

@@ -28,9 +28,9 @@ from ..errors import (
     ProvisioningError,
     SandboxError,
     SandboxInvalidArgumentError,
-    SandboxPermissionError,
     SandboxTransportError,
     SandboxUnavailableError,
+    cannot_run_as,
 )
 from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..routes import HostRoute, RouteKind
@@ -259,14 +259,11 @@ class SSHRuntime(_ConnectedRuntime):
         if user is None or user == self.config.username:
             return None
         if self.config.username != "root":
-            raise SandboxPermissionError(
-                request.argv[0],
-                f"cannot run as user {user!r}: logged in as {self.config.username!r}, not root",
+            raise cannot_run_as(
+                request.argv[0], user, f"logged in as {self.config.username!r}, not root"
             )
         if self._tools is None or self._tools.runuser is None:
-            raise SandboxPermissionError(
-                request.argv[0], f"cannot run as user {user!r}: runuser is not installed"
-            )
+            raise cannot_run_as(request.argv[0], user, "runuser is not installed")
         return user
 
     @property

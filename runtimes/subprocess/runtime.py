@@ -19,7 +19,7 @@ from ..base import Runtime
 from ..config import RuntimeConfig
 from ..errors import (
     SandboxError,
-    SandboxPermissionError,
+    cannot_run_as,
     error_for_errno,
     no_such_user,
 )
@@ -211,9 +211,7 @@ class SubprocessRuntime(Runtime):
         if entry.pw_uid == os.geteuid():
             return None
         if os.geteuid() != 0:
-            raise SandboxPermissionError(
-                request.argv[0], f"cannot run as user {user!r}: the host process is not root"
-            )
+            raise cannot_run_as(request.argv[0], user, "the host process is not root")
         return entry.pw_name
 
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:

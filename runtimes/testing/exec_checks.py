@@ -15,6 +15,8 @@ from ..errors import (
     SandboxFileNotFoundError,
     SandboxInvalidArgumentError,
     SandboxPermissionError,
+    SandboxUserNotFoundError,
+    SandboxUserRefusedError,
 )
 from ..models import MiB
 from .checks import (
@@ -390,9 +392,12 @@ async def check_invalid_argv(rt: Runtime) -> None:
 
 @check
 async def check_user(rt: Runtime) -> None:
-    """user= runs as that user when the sandbox can switch, else a typed permission error."""
+    """user= runs as that user when the sandbox can switch, an unknown user is
+    SandboxUserNotFoundError, and a switch the sandbox cannot make SandboxUserRefusedError (a
+    SandboxPermissionError)."""
     if await _is_root(rt):
         result = await rt.exec(["id", "-un"], user="nobody")
         assert result.stdout.strip() == "nobody", result
+        await _raises(SandboxUserNotFoundError, rt.exec(["id"], user="vf-no-such-user"))
     else:
-        await _raises(SandboxPermissionError, rt.exec(["id", "-un"], user="root"))
+        await _raises(SandboxUserRefusedError, rt.exec(["id", "-un"], user="root"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import tempfile
@@ -20,7 +21,13 @@ import anyio
 import anyio.abc
 
 from runtimes import ExecRequest, OutputSink, Runtime, RuntimeConfig
-from runtimes.errors import SandboxError, SandboxInvalidArgumentError, error_for_errno
+from runtimes.errors import (
+    SandboxError,
+    SandboxInvalidArgumentError,
+    cannot_run_as,
+    error_for_errno,
+    no_such_user,
+)
 from runtimes.models import StdinSource
 from runtimes.stdin_feed import feed_stdin, run_beside
 
@@ -55,7 +62,12 @@ class EchoRuntime(Runtime):
 
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
         if request.user is not None and os.geteuid() != 0:
-            raise error_for_errno(13, request.argv[0], "cannot switch user")
+            raise cannot_run_as(request.argv[0], request.user, "the host process is not root")
+        if request.user is not None:
+            try:
+                pwd.getpwnam(request.user)
+            except KeyError:
+                raise no_such_user(request.user) from None
         try:
             proc = await anyio.open_process(
                 list(request.argv),
