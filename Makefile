@@ -113,8 +113,8 @@ images: engine
 
 # --- checks ------------------------------------------------------------------------------------------------
 # The sh programs run inside sandboxes (runtimes/**/*.sh) are linted as POSIX sh, the build scripts
-# (images/*.sh) as bash; shellcheck comes
-# from Debian's archive when it is missing (as root; else install it yourself).
+# (images/*.sh) as bash; shellcheck comes from Debian's archive when it is missing (as root; else
+# install it yourself).
 shellcheck:
 	if ! command -v shellcheck >/dev/null; then
 	  if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then

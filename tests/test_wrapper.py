@@ -24,6 +24,8 @@ from runtimes.errors import (
     SandboxInvalidArgumentError,
     SandboxNotADirectoryError,
     SandboxPermissionError,
+    SandboxUserNotFoundError,
+    SandboxUserRefusedError,
 )
 from runtimes.models import ExecRequest
 from runtimes.wrapper import (
@@ -485,9 +487,9 @@ def test_report_errors_are_typed() -> None:
         (errno.EACCES, "prog", SandboxPermissionError, "not executable"),
         (errno.EISDIR, "prog", SandboxPermissionError, "is a directory"),
         (errno.E2BIG, "prog", SandboxInvalidArgumentError, "argument list too long"),
-        (errno.EINVAL, "user", SandboxInvalidArgumentError, "no such user in the sandbox: 'bob'"),
-        (errno.EACCES, "user", SandboxPermissionError, "cannot run as user 'bob'"),
-        (errno.EOPNOTSUPP, "user", SandboxPermissionError, "no setpriv or runuser"),
+        (errno.EINVAL, "user", SandboxUserNotFoundError, "no such user in the sandbox: 'bob'"),
+        (errno.EACCES, "user", SandboxUserRefusedError, "cannot run as user 'bob'"),
+        (errno.EOPNOTSUPP, "user", SandboxUserRefusedError, "no setpriv or runuser"),
         (errno.EINVAL, "argv", SandboxError, "spooled argv"),
         (errno.EOPNOTSUPP, "setsid", SandboxError, "setsid"),
     ]
