@@ -14,7 +14,8 @@ baseline of the ``shell`` section needs ``vf-sandbox/swerex`` (``images/swerex``
 holding ``swe-rex`` (``--swerex-python``; ``make bench`` makes both); without them its rows
 say what is missing. The ``inspect`` section needs ``inspect_ai`` and, for inspect's own
 Docker sandbox, the ``docker compose`` v2 plugin (``make compose``; ``make bench`` tries it);
-a sandbox that cannot run there is listed as not available, with the reason.
+a sandbox that cannot run there is listed as not available, with the reason. The ``fork``
+section forks a Docker sandbox holding 100 MiB (~5 rounds; 2 with ``--quick``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Options]:
         options.n_create, options.sandboxes, options.execs_per_sandbox = 3, 8, 10
         options.n_placement, options.proxy_turns = 5, 20
         options.n_stream, options.n_shell, options.n_inspect = 20, 30, 10
+        options.n_pool, options.pool_cycles = 5, 20
+        options.quick_scale = True
     for name in (
         "n_exec",
         "n_create",

@@ -17,9 +17,15 @@ Sections (each returns markdown):
 * streamed exec — first-chunk latency vs ``exec_run(stream=True)`` (``benchmarks.streaming``);
 * shell sessions — ``sh.run("true")`` vs ``exec(["true"])`` and SWE-ReX's ``run_in_session``
   (``benchmarks.sessions``).
+* idle sandboxes at scale — 64, 128, 256 Docker sandboxes with the channel: how many start and
+  answer, and memory per sandbox (``benchmarks.scale``);
 * inspect_ai sandboxes — ``exec``, ``write_file``, ``read_file`` through inspect's built-in
   Docker sandbox, vf-sandbox's inspect provider, the Docker SDK and inspect's local sandbox
   (``benchmarks.inspect_sandbox``).
+* forks — ``rt.snapshot()`` + a fork's ``start()`` on Docker vs ``docker commit`` +
+  ``containers.run`` of the same container (``benchmarks.snapshots``).
+* warm pools — ``pool.acquire()`` on a warm Docker pool vs ``open_runtime(...).start()``, and
+  the rate of (acquire, 10 execs, close) cycles through a pool vs without (``benchmarks.pool``).
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ FAKE = "modal (FAKE SDK)"
 EVERY_BACKEND = {"exec", "files", "create", "placement"}  # the sections that need sshd, fake Modal
 
 
+DEFAULT_SCALE_COUNTS = (64, 128, 256)
+
 ALL_SECTIONS = (
     "exec",
     "files",
@@ -66,6 +74,9 @@ ALL_SECTIONS = (
     "stream",
     "shell",
     "inspect",
+    "fork",
+    "pool",
+    "scale",
 )
 
 
@@ -83,6 +94,10 @@ class Options:
     n_stream: int = 100
     n_shell: int = 200
     n_inspect: int = 100
+    quick_scale: bool = False
+    n_pool: int = 30
+    pool_cycles: int = 48
+    pool_workers: tuple[int, ...] = (1, 4)
     swerex_python: str | None = None
     ssh: bool = True
     modal_fake: bool = True
@@ -894,4 +909,17 @@ async def run(options: Options) -> tuple[list[tuple[str, str]], list[tuple[str, 
             from .inspect_sandbox import inspect_section
 
             sections.append(("inspect_ai sandboxes", (await inspect_section(env))[0]))
+        if "fork" in wanted:
+            from .snapshots import fork_section
+
+            sections.append(("Forks from snapshots", (await fork_section(env))[0]))
+        if "pool" in wanted:
+            from .pool import pool_section
+
+            sections.append(("Warm pools", (await pool_section(env))[0]))
+        if "scale" in wanted:
+            from .scale import scale_section
+
+            counts = (8,) if options.quick_scale else DEFAULT_SCALE_COUNTS
+            sections.append(("Idle sandboxes at scale", await scale_section(counts, options.image)))
     return about, sections

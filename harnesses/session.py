@@ -70,6 +70,7 @@ from runtimes import (
     open_runtime,
     resolve_runtime_config,
 )
+from runtimes.pool import RuntimePool, pool_for
 
 from .base import Budget, Harness, HarnessConfig, Trace, for_policy
 from .errors import (
@@ -269,6 +270,7 @@ class _Wake:
 @dataclass(frozen=True)
 class _Options:
     runtime: RuntimeConfig
+    pool: RuntimePool | None
     harness: Harness
     verify: VerifyFn | None
     prepare: PrepareFn | None
@@ -582,31 +584,30 @@ class AgentSession:
     async def _host(self, *, task_status: TaskStatus[None]) -> None:
         """The session's task in its factory's task group: start the sandbox and harness,
         run the agent, keep the sandbox until :meth:`close`, then tear everything down."""
-        runtime = open_runtime(self._runtime_config())
         try:
-            await self._start(runtime)
+            runtime = await self._start()
             task_status.started()
             await self._run_agent(runtime)
             await self._closing.wait()
         finally:
             with anyio.CancelScope(shield=True):
-                await self._teardown(runtime)
+                await self._teardown(self._runtime)
 
     def _runtime_config(self) -> RuntimeConfig:
         config = self._options.runtime
         labels = {**config.labels, ROLLOUT_LABEL: self.rollout_id}
         return config.model_copy(update={"labels": labels})
 
-    async def _start(self, runtime: Runtime) -> None:
+    async def _start(self) -> Runtime:
         limit = self._options.setup_timeout
         try:
             with anyio.fail_after(limit):
-                await runtime.start()
-                self._runtime = runtime
+                runtime = await self._open_runtime()
                 if self._options.prepare is not None:
                     await self._options.prepare(runtime, self.task)
                 self._harness = for_policy(self._options.harness, runtime)
                 await self._harness.setup(runtime)
+                return runtime
         except TimeoutError as exc:
             raise SessionStartError(
                 f"starting the sandbox and harness took longer than {limit}s: {exc}",
@@ -616,6 +617,19 @@ class AgentSession:
             raise SessionStartError(
                 f"could not start: {type(exc).__name__}: {exc}", rollout_id=self.rollout_id
             ) from exc
+
+    async def _open_runtime(self) -> Runtime:
+        """The session's started sandbox, kept as ``self._runtime`` (torn down with the
+        session) as soon as it exists: the factory's pool's, else a new one labelled with
+        the rollout id (a pooled one was made before the id was known: it carries the
+        pool's label instead)."""
+        pool = self._options.pool
+        if pool is not None:
+            self._runtime = await pool.take()
+            return self._runtime
+        runtime = self._runtime = open_runtime(self._runtime_config())
+        await runtime.start()
+        return runtime
 
     async def _run_agent(self, runtime: Runtime) -> None:
         harness = self._harness or self._options.harness
@@ -690,10 +704,11 @@ class AgentSession:
         self._proxy_run.close()
         self._requests.close()
 
-    async def _teardown(self, runtime: Runtime) -> None:
+    async def _teardown(self, runtime: Runtime | None) -> None:
         self._abandon()
         try:
-            await runtime.close()
+            if runtime is not None:
+                await runtime.close()
         except Exception as exc:  # noqa: BLE001 - re-raised by close(); other sessions go on
             log.warning("closing the sandbox of rollout %r failed: %r", self.rollout_id, exc)
             self._close_error = exc
@@ -767,6 +782,12 @@ class AgentSessionFactory:
         setup_timeout: seconds to start the sandbox, prepare it and set the harness up.
         verify_timeout: seconds the verify function may take (``None``: unlimited).
         stop_grace: seconds an agent answered with an error gets to exit on its own.
+        pools: warm pools (:class:`~runtimes.pool.RuntimePool`, entered by the caller in
+            the factory's event loop): when one serves ``runtime``, each session takes a
+            fresh sandbox from it (labelled ``vf-sandbox.pool=<pool id>``, not with the
+            rollout id, which did not exist when it was made) instead of starting one;
+            the session still closes it. Judges of a
+            :class:`~placement.verifier.JudgeVerifier` take their own ``pools``.
     """
 
     def __init__(
@@ -783,6 +804,7 @@ class AgentSessionFactory:
         setup_timeout: float = 600.0,
         verify_timeout: float | None = 900.0,
         stop_grace: float = 5.0,
+        pools: Sequence[RuntimePool] | None = None,
     ):
         """Validate the configs; nothing starts before ``async with``.
 
@@ -802,8 +824,10 @@ class AgentSessionFactory:
                 raise SessionProtocolError(f"{name} must be > 0, got {value}")
         if stop_grace < 0:
             raise SessionProtocolError(f"stop_grace must be >= 0, got {stop_grace}")
+        config = resolve_runtime_config(runtime)
         self._options = _Options(
-            runtime=resolve_runtime_config(runtime),
+            runtime=config,
+            pool=pool_for(pools, config),
             harness=harness if isinstance(harness, Harness) else _open_harness(harness),
             verify=verify,
             prepare=prepare,

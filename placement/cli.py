@@ -32,11 +32,18 @@ from runtimes import (
     RuntimeConfig,
     RuntimeConfigError,
     SandboxError,
+    SandboxInfo,
     SandboxInvalidArgumentError,
     available_runtimes,
     resolve_runtime_config,
 )
-from runtimes.cleanup import NOT_LISTABLE, cleanup_sandboxes, list_target
+from runtimes.cleanup import (
+    NOT_LISTABLE,
+    SweepResult,
+    cleanup_sandboxes,
+    list_target,
+    snapshot_info,
+)
 
 from .cli_check import check_runtime, known_check, print_check_list
 from .cli_doctor import probe_all, target_name
@@ -128,17 +135,22 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         for action in ("removed", "would remove", "failed", "kept")
     }
     if args.json:
-        rows = [
-            {"backend": r.info.backend, "id": r.info.id, "action": r.action, "reason": r.reason}
-            for r in results
-        ]
+        rows = {
+            kind: [
+                {"backend": r.info.backend, "id": r.info.id, "action": r.action, "reason": r.reason}
+                for r in results
+                if r.kind == kind
+            ]
+            for kind in ("sandbox", "snapshot")
+        }
         summary = {key.replace(" ", "_"): n for key, n in counts.items()}
-        print_json("cleanup", {"dry_run": args.dry_run, "results": rows, "summary": summary})
+        document = {"dry_run": args.dry_run, "results": rows["sandbox"], "summary": summary}
+        print_json("cleanup", {**document, "snapshots": rows["snapshot"]})
     else:
         print_table(
             ["backend", "sandbox", "action", "reason"],
             [
-                (r.info.backend, r.info.id, r.action, shorten(r.reason, args.verbose))
+                (r.info.backend, _shown_id(r), r.action, shorten(r.reason, args.verbose))
                 for r in results
             ],
         )
@@ -146,37 +158,53 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return 1 if counts["failed"] else 0
 
 
-async def list_labelled(
-    targets: list[RuntimeConfig | str],
-) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """Every labelled sandbox of ``targets``, and the backends that could not be listed."""
+def _shown_id(result: SweepResult) -> str:
+    return f"snapshot {result.info.id}" if result.kind == "snapshot" else result.info.id
+
+
+def _listed(info: SandboxInfo) -> dict[str, Any]:
     from runtimes import ownership
 
+    dead = ownership.session_is_dead(info.labels)
+    return {
+        "backend": info.backend,
+        "id": info.id,
+        "state": info.state,
+        "created": info.created,
+        "session": {True: "dead", False: "alive", None: "unknown"}[dead],
+        "kept": ownership.is_kept(info.labels),
+        "labels": dict(info.labels),
+    }
+
+
+async def list_labelled(
+    targets: list[RuntimeConfig | str],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, str]]]:
+    """Every labelled sandbox of ``targets``, their snapshots (with ``source`` and
+    ``holds``), and the backends that could not be listed."""
     found: list[dict[str, Any]] = []
+    snapshots: list[dict[str, Any]] = []
     unlisted: list[dict[str, str]] = []
     for target in targets:
         name = target if isinstance(target, str) else target.type
         try:
-            _, _, infos = await list_target(target)
+            cls, config, infos = await list_target(target)
         except SandboxError as exc:
             reason = str(exc) if str(exc) == NOT_LISTABLE else f"{type(exc).__name__}: {exc}"
             print(f"{name}: not listed ({reason})", file=sys.stderr)
             unlisted.append({"backend": name, "error": reason})
             continue
-        for info in infos:
-            dead = ownership.session_is_dead(info.labels)
-            found.append(
-                {
-                    "backend": info.backend,
-                    "id": info.id,
-                    "state": info.state,
-                    "created": info.created,
-                    "session": {True: "dead", False: "alive", None: "unknown"}[dead],
-                    "kept": ownership.is_kept(info.labels),
-                    "labels": dict(info.labels),
-                }
+        found += [_listed(info) for info in infos]
+        try:
+            taken = await cls.list_snapshots(config)
+        except SandboxError as exc:
+            print(f"{name}: snapshots not listed ({type(exc).__name__}: {exc})", file=sys.stderr)
+            continue
+        for snap in taken:
+            snapshots.append(
+                {**_listed(snapshot_info(snap)), "source": snap.source, "holds": snap.holds}
             )
-    return found, unlisted
+    return found, snapshots, unlisted
 
 
 def _yes(flag: bool) -> str:
@@ -185,9 +213,9 @@ def _yes(flag: bool) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     targets = _targets(args.runtime) or list(available_runtimes())
-    found, unlisted = anyio.run(run_interruptible, lambda: list_labelled(targets))
+    found, snapshots, unlisted = anyio.run(run_interruptible, lambda: list_labelled(targets))
     if args.json:
-        print_json("ls", {"sandboxes": found, "unlisted": unlisted})
+        print_json("ls", {"sandboxes": found, "snapshots": snapshots, "unlisted": unlisted})
         return 0
     headers = ["backend", "sandbox", "state", "created", "session", "kept"]
     rows = [
@@ -199,6 +227,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for row, s in zip(rows, found, strict=True):
             row.append(",".join(f"{k}={v}" for k, v in sorted(s["labels"].items())))
     print_table(headers, rows)
+    if snapshots:
+        print("\nsnapshots:")
+        print_table(
+            ["backend", "snapshot", "holds", "of sandbox", "created", "session", "kept"],
+            [
+                [
+                    s["backend"],
+                    s["id"],
+                    s["holds"],
+                    s["source"],
+                    s["created"] or "",
+                    s["session"],
+                    _yes(s["kept"]),
+                ]
+                for s in snapshots
+            ],
+        )
     return 0
 
 

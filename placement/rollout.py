@@ -20,7 +20,8 @@ from pydantic import TypeAdapter, ValidationError
 from harnesses.base import Trace
 from harnesses.llm import ModelEndpoint, ModelTable
 from harnesses.scripted import ScriptedEndpoint, ScriptItem
-from runtimes import RuntimeConfig, open_runtime
+from runtimes import RuntimeConfig
+from runtimes.pool import RuntimePool, open_pooled
 
 from .errors import PlacementConfigError
 from .run import AgentRun, run_judges
@@ -95,16 +96,20 @@ async def judge_rollout(
     runtime_config: RuntimeConfig | Mapping[str, Any] | str = "subprocess",
     on_done: Callable[[AgentRun], None] | None = None,
     deadline: float | None = None,
+    pools: Sequence[RuntimePool] | None = None,
 ) -> list[AgentRun]:
     """Recreate the rollout's world in a fresh sandbox and judge it within ``deadline``
     seconds (not strict: failed judges come back as runs with ``error`` set).
+
+    The world's sandbox and every clean-room judge's come from the one of ``pools`` that
+    serves their config, when one does (``docs/pools.md``).
 
     Raises:
         PlacementConfigError: two judges share a name, or ``deadline`` is not positive.
         SandboxError / ProvisioningError: the sandbox could not be made or the world not
             uploaded.
     """
-    async with open_runtime(runtime_config) as runtime:
+    async with open_pooled(runtime_config, pools) as runtime:
         if rollout.files is not None:
             await runtime.upload(rollout.files, runtime.workdir)
         return await run_judges(
@@ -116,6 +121,7 @@ async def judge_rollout(
             strict=False,
             on_done=on_done,
             deadline=deadline,
+            pools=pools,
         )
 
 

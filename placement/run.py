@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import math
 import string
 import time
@@ -49,6 +50,8 @@ from runtimes import (
     SandboxError,
     open_runtime,
 )
+from runtimes.pool import RuntimePool, open_pooled
+from runtimes.snapshot import SandboxSnapshot, remove_snapshot
 
 from .errors import (
     InputTamperError,
@@ -69,6 +72,8 @@ from .errors import (
 from .guard import VerdictGuard
 from .inputs import INPUTS_ROOT, VERDICT_FILE, Snapshot, materialise, new_agent_id
 from .specs import AgentSpec, FieldTableVerdict, JudgeSpec
+
+log = logging.getLogger("placement.run")
 
 Role = AgentRole
 
@@ -93,6 +98,8 @@ class AgentRun(AgentRecord):
 def _placement_label(spec: AgentSpec) -> str:
     if not spec.needs_runtime():
         return "host (no sandbox)"
+    if spec.is_fork():
+        return "fork"
     config = spec.runtime_config()
     return "rollout" if config is None else f"clean-room:{config.type}"
 
@@ -135,6 +142,7 @@ async def run_agent(
     policy: ModelEndpoint | None = None,
     snapshot: Snapshot | None = None,
     role: Role = "agent",
+    pools: Sequence[RuntimePool] | None = None,
 ) -> AgentRun:
     """Run one agent (or judge) where its spec places it, and collect what it produced.
 
@@ -145,6 +153,10 @@ async def run_agent(
     ``error_type``, ``err.run``) and on its trace (``trace.metadata["failure"]``), then
     raised. With ``role="policy"`` the agent's commands run as the runtime's
     ``policy_user`` where it keeps one (:func:`harnesses.base.for_policy`).
+
+    A clean-room agent whose placement config is served by one of ``pools``
+    (:func:`runtimes.pool.pool_for`) gets its sandbox from that pool instead of starting
+    one; either way the sandbox is closed when the agent is done.
 
     Cancelling it stops the agent: a judge in a rollout's sandbox has the processes it
     left stopped and its inputs dir removed (shielded, bounded by
@@ -176,7 +188,9 @@ async def run_agent(
         error = as_judge_error(spec.name, exc)
         _record_failure(run, error, None)
         raise error from exc
-    await _execute(spec, task, run, plan, runtime=runtime, snapshot=snapshot, role=role)
+    await _execute(
+        spec, task, run, plan, runtime=runtime, snapshot=snapshot, role=role, pools=pools
+    )
     return run
 
 
@@ -193,6 +207,13 @@ class AgentPlan:
     needs_runtime: bool
     endpoint: ModelEndpoint
     clean_room: RuntimeConfig | None
+    fork: bool = False
+
+    @property
+    def own_sandbox(self) -> bool:
+        """Whether the agent gets a sandbox of its own (clean room or fork): such agents run
+        concurrently; the others take turns in the rollout's sandbox."""
+        return self.needs_runtime and (self.clean_room is not None or self.fork)
 
 
 def plan_agent(
@@ -207,7 +228,8 @@ def plan_agent(
 
     Raises:
         HarnessConfigError / HarnessPluginError: an unknown harness or an invalid config.
-        PlacementConfigError: rollout placement with no rollout runtime given.
+        PlacementConfigError: rollout or fork placement with no rollout runtime given, or
+            fork placement on a backend that cannot take snapshots.
         UnknownModelError: no such model in ``models``, or ``"policy"`` with no
             ``policy`` endpoint.
         ModelConfigError: the endpoint's ``api_key_env`` variable is not set.
@@ -216,12 +238,18 @@ def plan_agent(
     needs_runtime = load_harness_class(harness.id).needs_runtime
     clean_room = spec.runtime_config()
     if clean_room is None and needs_runtime and runtime is None:
+        where = "a fork of the rollout" if spec.is_fork() else "the rollout"
         raise PlacementConfigError(
-            f"{spec.name!r} is placed in the rollout but no rollout runtime was given"
+            f"{spec.name!r} is placed in {where} but no rollout runtime was given"
+        )
+    if spec.is_fork() and needs_runtime and runtime is not None and runtime.snapshot_holds is None:
+        raise PlacementConfigError(
+            f"{spec.name!r} is placed in a fork, but the {runtime.name} backend cannot take "
+            "snapshots (docs/snapshots.md)"
         )
     endpoint = models.resolve(spec.model, policy=policy)
     endpoint.resolve_api_key()
-    return AgentPlan(harness, needs_runtime, endpoint, clean_room)
+    return AgentPlan(harness, needs_runtime, endpoint, clean_room, fork=spec.is_fork())
 
 
 def new_run(spec: AgentSpec, role: Role) -> AgentRun:
@@ -245,8 +273,11 @@ async def _execute(
     runtime: Runtime | None,
     snapshot: Snapshot | None,
     role: Role,
+    pools: Sequence[RuntimePool] | None = None,
+    fork: SandboxSnapshot | None = None,
 ) -> None:
-    """Run ``spec`` per ``plan``, filling ``run``. Raises what :func:`run_agent` raises."""
+    """Run ``spec`` per ``plan``, filling ``run`` (a fork-placed agent in a sandbox opened
+    from ``fork``). Raises what :func:`run_agent` raises."""
     judge = spec if isinstance(spec, JudgeSpec) else None
     harness: Harness | None = None
     run.started = time.time()
@@ -255,8 +286,10 @@ async def _execute(
         async with AsyncExitStack() as stack:
             target = runtime if plan.needs_runtime else None
             if plan.needs_runtime and plan.clean_room is not None:
-                target = await stack.enter_async_context(open_runtime(plan.clean_room))
-            in_rollout = target is not None and plan.clean_room is None
+                target = await stack.enter_async_context(open_pooled(plan.clean_room, pools))
+            if plan.needs_runtime and plan.fork:
+                target = await stack.enter_async_context(_open_fork(runtime, fork))
+            in_rollout = target is not None and not plan.own_sandbox
             inputs_dir = None
             if judge is not None and target is not None and in_rollout:
                 await target.stop_processes()  # nothing the policy or a judge left is alive
@@ -300,6 +333,30 @@ async def _execute(
     finally:
         run.seconds = time.monotonic() - clock
         run.finished = time.time()
+
+
+def _open_fork(runtime: Runtime | None, fork: SandboxSnapshot | None) -> Runtime:
+    """A sandbox of the rollout's config started from ``fork`` (not yet started)."""
+    if runtime is None or fork is None:
+        raise PlacementConfigError("a fork-placed agent needs the rollout's runtime and snapshot")
+    return open_runtime(runtime.config, snapshot=fork)
+
+
+async def _take_fork(runtime: Runtime) -> SandboxSnapshot:
+    """The one snapshot every fork-placed judge of a rollout starts from: the rollout's files
+    as the policy left them, before any judge ran (processes are never part of it)."""
+    return await runtime.snapshot()
+
+
+async def _drop_fork(fork: SandboxSnapshot) -> None:
+    try:
+        await remove_snapshot(fork)
+    except SandboxError as exc:
+        log.warning(
+            "removing %s failed (%s); `vf-sandbox cleanup` removes it once this process ends",
+            fork.describe(),
+            exc,
+        )
 
 
 def as_judge_error(judge: str, exc: BaseException) -> JudgeError:
@@ -527,6 +584,7 @@ async def run_judges(
     strict: bool = True,
     on_done: Callable[[AgentRun], None] | None = None,
     deadline: float | None = None,
+    pools: Sequence[RuntimePool] | None = None,
 ) -> list[AgentRun]:
     """Judge one finished rollout. Runs come back in the order of the judges.
 
@@ -537,7 +595,9 @@ async def run_judges(
     error (:class:`~placement.errors.JudgeModelUnresolved`, ...), the others
     :class:`~placement.errors.JudgeCancelled`. Rollout-placed judges then run one after
     another in ``runtime``, clean-room judges concurrently; a judge that fails does not
-    stop the others, and every run comes back with its trace.
+    stop the others, and every run comes back with its trace. A clean-room judge whose
+    placement config is served by one of ``pools`` (:class:`~runtimes.pool.RuntimePool`)
+    acquires its sandbox from it instead of starting one (``docs/pools.md``).
 
     ``deadline`` (seconds) bounds the whole scoring stage: when it expires every judge
     still running is stopped (its processes in the rollout's sandbox killed, its inputs
@@ -574,8 +634,9 @@ async def run_judges(
         else:
             snapshot = Snapshot.take(task, trace)
             await _judge_all(
-                specs, runs, plans, failures, runtime, snapshot, deadline=deadline, on_done=on_done
-            )
+                specs, runs, plans, failures, runtime, snapshot,
+                deadline=deadline, on_done=on_done, pools=pools,
+            )  # fmt: skip
     finally:
         trace.attach_agents([AgentRecord.of(run) for run in runs])  # provenance: trace.agents
     if strict and failures:
@@ -627,6 +688,7 @@ async def _judge_all(
     *,
     deadline: float | None,
     on_done: Callable[[AgentRun], None] | None,
+    pools: Sequence[RuntimePool] | None,
 ) -> None:
     """Run the planned judges (rollout ones in turn, clean-room ones concurrently) within
     ``deadline``; failures go to ``failures``."""
@@ -637,26 +699,47 @@ async def _judge_all(
         if on_done is not None:
             on_done(runs[index])
 
+    fork: SandboxSnapshot | None = None
+
     async def one(index: int) -> None:
         try:
             await _execute(
                 specs[index], "", runs[index], plans[index],
-                runtime=runtime, snapshot=snapshot, role="judge",
+                runtime=runtime, snapshot=snapshot, role="judge", pools=pools, fork=fork,
             )  # fmt: skip
         except JudgeError as exc:
             failures[index] = exc
+        settle(index)
+
+    def fail(index: int, exc: Exception) -> None:
+        error = as_judge_error(specs[index].name, exc)
+        error.__cause__ = exc
+        _record_failure(runs[index], error, None)
+        failures[index] = error
         settle(index)
 
     async def sequentially(indices: list[int]) -> None:
         for index in indices:
             await one(index)
 
+    forked = [i for i, p in enumerate(plans) if p.fork and p.needs_runtime]
     with anyio.move_on_after(math.inf if deadline is None else deadline) as scope:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sequentially, [i for i, p in enumerate(plans) if p.clean_room is None])
-            for index, plan in enumerate(plans):
-                if plan.clean_room is not None:
-                    tg.start_soon(one, index)
+        try:
+            if forked and runtime is not None:
+                try:
+                    fork = await _take_fork(runtime)  # before any judge touches the sandbox
+                except SandboxError as exc:
+                    for index in forked:
+                        fail(index, exc)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sequentially, [i for i, p in enumerate(plans) if not p.own_sandbox])
+                for index, plan in enumerate(plans):
+                    if plan.own_sandbox and index not in settled:
+                        tg.start_soon(one, index)
+        finally:
+            if fork is not None:
+                with anyio.CancelScope(shield=True):
+                    await _drop_fork(fork)
     if scope.cancelled_caught:
         for index, run in enumerate(runs):
             if index not in settled:

@@ -28,9 +28,11 @@ from .errors import PlacementConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
-Placement = Literal["rollout"] | dict[str, Any]
-"""``"rollout"``: inside the rollout's live runtime, after the policy finished. A runtime
-config (dict): a fresh clean-room sandbox of its own."""
+Placement = Literal["rollout", "fork"] | dict[str, Any]
+"""``"rollout"``: inside the rollout's live runtime, after the policy finished. ``"fork"``:
+in a fresh sandbox started from a snapshot of the rollout's sandbox, taken once after the
+policy ended (its files, none of its processes). A runtime config (dict): a fresh clean-room
+sandbox of its own."""
 
 _SCHEMA_TYPES: dict[str, Any] = {
     "number": float,
@@ -73,8 +75,13 @@ class AgentSpec(BaseModel):
             resolve_runtime_config(value)  # fail early, naming the field
         return value
 
+    def is_fork(self) -> bool:
+        """Whether the agent runs in a fork of the rollout's sandbox (``placement="fork"``)."""
+        return self.placement == "fork"
+
     def runtime_config(self) -> RuntimeConfig | None:
-        """The clean-room runtime config, or ``None`` for placement in the rollout."""
+        """The clean-room runtime config, or ``None`` for placement in the rollout (or a
+        fork of it)."""
         if not isinstance(self.placement, dict):
             return None
         return resolve_runtime_config(self.placement)

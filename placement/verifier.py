@@ -28,6 +28,7 @@ from harnesses.errors import SessionSandboxLost, SessionVerifyError
 from harnesses.llm import ModelEndpoint, ModelTable
 from harnesses.session import Verification, VerifyContext
 from runtimes.errors import SandboxError
+from runtimes.pool import RuntimePool
 
 from .errors import JudgeSandboxLost, JudgingFailed, PlacementError
 from .run import AgentRun, JudgesHook, run_judges, select_judges
@@ -81,6 +82,8 @@ class JudgeVerifier:
         policy: the endpoint a judge using the ``"policy"`` model would call.
         deadline: seconds the whole judging may take (``run_judges(deadline=)``).
         unjudged_reward: the reward of a rollout no judge was chosen for.
+        pools: warm pools (:class:`~runtimes.pool.RuntimePool`) the clean-room judges
+            whose placement config one of them serves acquire their sandboxes from.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class JudgeVerifier:
         policy: ModelEndpoint | None = None,
         deadline: float | None = None,
         unjudged_reward: float = 0.0,
+        pools: Sequence[RuntimePool] | None = None,
     ):
         self.judges = judges if callable(judges) else list(judges)
         self.models = models
@@ -99,6 +103,7 @@ class JudgeVerifier:
         self.policy = policy
         self.deadline = deadline
         self.unjudged_reward = unjudged_reward
+        self.pools = pools
 
     async def __call__(self, context: VerifyContext) -> Verification:
         """Judge the rollout in ``context.runtime``; the reward comes from the verdicts.
@@ -124,6 +129,7 @@ class JudgeVerifier:
                 runtime=context.runtime,
                 policy=self.policy,
                 deadline=self.deadline,
+                pools=self.pools,
             )
         except JudgingFailed as group:
             failures = "; ".join(str(e) for e in group.exceptions)

@@ -31,6 +31,7 @@ from .errors import (
     UnsafeArchiveMemberError,
 )
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
+from .pool import PoolClosedError, PoolTimeoutError, RuntimePool
 from .registry import (
     RuntimePluginError,
     UnknownRuntimeError,
@@ -39,6 +40,12 @@ from .registry import (
     open_runtime,
     resolve_runtime_config,
     runtime_is_local,
+)
+from .snapshot import (
+    SandboxSnapshot,
+    SnapshotNotFoundError,
+    SnapshotUnsupportedError,
+    remove_snapshot,
 )
 from .subprocess import SubprocessConfig, SubprocessRuntime
 from .sync import BlockingCallInEventLoopError, SyncRuntime, SyncShellSession, open_runtime_sync
@@ -54,11 +61,14 @@ __all__ = [
     "ExecTimeoutError",
     "OutputLimitExceededError",
     "OutputSink",
+    "PoolClosedError",
+    "PoolTimeoutError",
     "ProvisioningError",
     "Runtime",
     "RuntimeConfig",
     "RuntimeConfigError",
     "RuntimePluginError",
+    "RuntimePool",
     "SandboxError",
     "SandboxFileExistsError",
     "SandboxFileNotFoundError",
@@ -68,11 +78,14 @@ __all__ = [
     "SandboxNotADirectoryError",
     "SandboxPermissionError",
     "SandboxResourceError",
+    "SandboxSnapshot",
     "SandboxTransportError",
     "SandboxUnavailableError",
     "SandboxUserNotFoundError",
     "SandboxUserRefusedError",
     "ShellSessionError",
+    "SnapshotNotFoundError",
+    "SnapshotUnsupportedError",
     "SubprocessConfig",
     "SubprocessRuntime",
     "SyncRuntime",
@@ -85,6 +98,7 @@ __all__ = [
     "load_runtime_class",
     "open_runtime",
     "open_runtime_sync",
+    "remove_snapshot",
     "resolve_runtime_config",
     "runtime_is_local",
 ]

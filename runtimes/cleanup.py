@@ -6,21 +6,26 @@ it is older than ``older_than`` seconds. Sandboxes of live sessions, and of sess
 other hosts whose liveness cannot be checked from here, are left alone by default. A
 sandbox kept on purpose (``keep=True``, :func:`runtimes.ownership.is_kept`) is left alone
 whatever its session or age, unless ``kept=True`` (``cleanup --kept``) or ``all_sessions``.
+
+Snapshots (:mod:`runtimes.snapshot`) are swept by the same rules, after each backend's
+sandboxes (a Docker snapshot's image cannot go while a fork's container uses it).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import ownership
 from .config import RuntimeConfig
 from .errors import SandboxError
 from .models import SandboxInfo
 from .registry import available_runtimes, load_runtime_class, resolve_runtime_config
+from .snapshot import SandboxSnapshot, release
 
 if TYPE_CHECKING:
     from .base import Runtime
@@ -59,11 +64,23 @@ async def list_target(
     return cls, config, await cls.list_sandboxes(config)
 
 
+def snapshot_info(snapshot: SandboxSnapshot) -> SandboxInfo:
+    """A snapshot as a sweep reports it."""
+    return SandboxInfo(
+        backend=snapshot.backend,
+        id=snapshot.id,
+        labels=snapshot.labels,
+        state="snapshot",
+        created=snapshot.created,
+    )
+
+
 @dataclass(frozen=True)
 class SweepResult:
     info: SandboxInfo
     action: str  # "removed", "kept", "would remove", "failed"
     reason: str
+    kind: Literal["sandbox", "snapshot"] = "sandbox"
 
 
 def _should_sweep(
@@ -95,6 +112,7 @@ async def cleanup_sandboxes(
     dry_run: bool = False,
     kept: bool = False,
     match: Mapping[str, str] | None = None,
+    snapshots: bool = True,
 ) -> list[SweepResult]:
     """Find labelled sandboxes on each backend and remove those that leaked.
 
@@ -104,7 +122,8 @@ async def cleanup_sandboxes(
     fatal for the others. The current session's own sandboxes are kept unless
     ``all_sessions``. Kept sandboxes (``keep=True``) are removed only with ``kept`` (of
     any session, this one's included) or ``all_sessions``. ``match`` narrows the sweep to
-    sandboxes carrying all of these labels (others are not reported).
+    sandboxes carrying all of these labels (others are not reported). Snapshots are swept
+    the same way, after each backend's sandboxes (``snapshots=False``: left alone).
     """
     results: list[SweepResult] = []
     targets = list(backends) if backends is not None else list(available_runtimes())
@@ -116,21 +135,59 @@ async def cleanup_sandboxes(
             name = resolved if isinstance(resolved, str) else resolved.type
             log.warning("cleanup: skipping backend %s: %s", name, exc)
             continue
+        sweep = _Sweep(all_sessions, older_than, dry_run, kept, match)
         for info in found:
-            if match and any(info.labels.get(key) != value for key, value in match.items()):
-                continue
-            sweep, reason = _should_sweep(info.labels, all_sessions, older_than, kept)
-            own = info.labels.get(ownership.SESSION) == ownership.SESSION_ID
-            if not sweep or (own and not all_sessions and not ownership.is_kept(info.labels)):
-                results.append(SweepResult(info, "kept", reason))
-                continue
-            if dry_run:
-                results.append(SweepResult(info, "would remove", reason))
-                continue
-            try:
-                await cls.destroy_sandbox(info, config)
-            except SandboxError as exc:
-                results.append(SweepResult(info, "failed", f"{reason}; {exc}"))
-            else:
-                results.append(SweepResult(info, "removed", reason))
+            results += await sweep.one(info, partial(cls.destroy_sandbox, info, config))
+        if not snapshots:
+            continue
+        try:
+            taken = await cls.list_snapshots(config)
+        except SandboxError as exc:
+            log.warning("cleanup: skipping the snapshots of backend %s: %s", cls.name, exc)
+            continue
+        for snap in taken:
+            results += await sweep.one(
+                snapshot_info(snap),
+                partial(_remove_snapshot, cls, snap, config),
+                "snapshot",
+            )
     return results
+
+
+async def _remove_snapshot(
+    cls: type[Runtime], snapshot: SandboxSnapshot, config: RuntimeConfig | None
+) -> None:
+    await cls.destroy_snapshot(snapshot, config)
+    release(snapshot)
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """The decision and the removal for one listed sandbox or snapshot."""
+
+    all_sessions: bool
+    older_than: float | None
+    dry_run: bool
+    kept: bool
+    match: Mapping[str, str] | None
+
+    async def one(
+        self,
+        info: SandboxInfo,
+        remove: Callable[[], Awaitable[None]],
+        kind: Literal["sandbox", "snapshot"] = "sandbox",
+    ) -> list[SweepResult]:
+        labels = info.labels
+        if self.match and any(labels.get(key) != value for key, value in self.match.items()):
+            return []
+        sweep, reason = _should_sweep(labels, self.all_sessions, self.older_than, self.kept)
+        own = labels.get(ownership.SESSION) == ownership.SESSION_ID
+        if not sweep or (own and not self.all_sessions and not ownership.is_kept(labels)):
+            return [SweepResult(info, "kept", reason, kind)]
+        if self.dry_run:
+            return [SweepResult(info, "would remove", reason, kind)]
+        try:
+            await remove()
+        except SandboxError as exc:
+            return [SweepResult(info, "failed", f"{reason}; {exc}", kind)]
+        return [SweepResult(info, "removed", reason, kind)]

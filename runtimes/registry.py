@@ -17,6 +17,7 @@ from .base import Runtime
 from .config import RuntimeConfig, RuntimeConfigError, config_error_from_validation
 from .errors import SandboxError
 from .plugins import Plugin, PluginGroup
+from .snapshot import SandboxSnapshot
 
 ENTRY_POINT_GROUP = "vf_sandbox.runtimes"
 
@@ -92,12 +93,22 @@ def runtime_is_local(config: RuntimeConfig | Mapping[str, Any] | str) -> bool:
     return resolve_runtime_config(config).is_local()
 
 
-def open_runtime(config: RuntimeConfig | Mapping[str, Any] | str) -> Runtime:
+def open_runtime(
+    config: RuntimeConfig | Mapping[str, Any] | str, *, snapshot: SandboxSnapshot | None = None
+) -> Runtime:
     """A runtime for ``config``, not yet started: use it as ``async with open_runtime(...) as rt``.
+
+    With ``snapshot`` (from :meth:`Runtime.snapshot`), the sandbox's files start as the
+    snapshot's (``docs/snapshots.md``); nothing runs in it yet.
 
     Raises:
         RuntimeConfigError, UnknownRuntimeError, RuntimePluginError: as
             :func:`resolve_runtime_config`.
+        SnapshotUnsupportedError: ``snapshot`` given to a backend that cannot open one.
+        SandboxInvalidArgumentError: ``snapshot`` is of another backend, or the config
+            cannot start from one (see :meth:`Runtime.fork_from`). A snapshot that is gone
+            is found by ``start()``: :class:`~runtimes.snapshot.SnapshotNotFoundError`.
     """
     resolved = resolve_runtime_config(config)
-    return load_runtime_class(resolved.type)(resolved)
+    runtime = load_runtime_class(resolved.type)(resolved)
+    return runtime if snapshot is None else runtime.fork_from(snapshot)

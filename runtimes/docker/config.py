@@ -40,7 +40,8 @@ class DockerConfig(RuntimeConfig):
     count), ``creations_per_second`` paces creations; ``None`` disables the pacing.
     ``ports`` (published on ``127.0.0.1`` by default; needs a network), ``mounts`` (bind
     mounts, volumes), ``gpus`` and ``pull`` (``never``/``missing``/``always``, bounded by
-    ``pull_timeout``) apply to owned sandboxes (``docs/docker.md``).
+    ``pull_timeout``) apply to owned sandboxes (``docs/docker.md``). ``snapshot_timeout``
+    bounds the engine's commit of ``rt.snapshot()`` (``docs/snapshots.md``).
     """
 
     enforced_limits: ClassVar[frozenset[str]] = frozenset(LIMIT_FIELDS)
@@ -77,6 +78,9 @@ class DockerConfig(RuntimeConfig):
         default="never", description="when to pull image from its registry"
     )
     pull_timeout: float = Field(default=600.0, gt=0, description="seconds one pull may take")
+    snapshot_timeout: float = Field(
+        default=600.0, gt=0, description="seconds the engine may take to commit a snapshot"
+    )
 
     _absolute_workdir = field_validator("workdir")(absolute_workdir)
     _plain_policy_user = field_validator("policy_user")(validate_policy_user)

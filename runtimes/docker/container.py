@@ -75,13 +75,19 @@ async def _find_image(client: docker.DockerClient, cfg: DockerConfig) -> Any | N
         raise ProvisioningError(f"cannot inspect image {cfg.image!r}: {exc}") from exc
 
 
-def container_options(cfg: DockerConfig, backend: str, init: bool) -> dict[str, Any]:
-    """The engine's create options for an owned sandbox."""
+def container_options(
+    cfg: DockerConfig, backend: str, init: bool, *, fork: bool = False
+) -> dict[str, Any]:
+    """The engine's create options for an owned sandbox (``fork``: from a snapshot's image,
+    whose labels the container inherits under its own)."""
     name = f"{cfg.name_prefix}-{uuid.uuid4().hex[:12]}"
+    labels = ownership.session_labels(backend, cfg.labels, keep=cfg.keep)
+    if fork:  # never kept because its snapshot was
+        labels[ownership.KEEP] = "true" if cfg.keep else "false"
     options: dict[str, Any] = {
         "command": _KEEP_ALIVE,
         "detach": True,
-        "labels": ownership.session_labels(backend, cfg.labels, keep=cfg.keep),
+        "labels": labels,
         "network_mode": cfg.network,
         "working_dir": cfg.workdir or DEFAULT_WORKDIR,
         "name": name,

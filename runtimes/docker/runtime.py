@@ -37,6 +37,7 @@ from ..errors import (
     OutputLimitExceededError,
     ProvisioningError,
     SandboxError,
+    SandboxInvalidArgumentError,
     SandboxIsADirectoryError,
     SandboxNotADirectoryError,
     SandboxTransportError,
@@ -47,6 +48,7 @@ from ..limits import creation_rate
 from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..routes import HostRoute, RouteKind
 from ..scripts import load
+from ..snapshot import UNTRUSTED, SandboxSnapshot
 from ..sweep import MARK_VAR, ORPHAN_KILL_SCRIPT, sweep_argv
 from ..wrapper import ReportReader, new_nonce
 from .agent import _untrusted_change, _untrusted_python, open_agent_stream
@@ -85,6 +87,12 @@ from .process import (
     start_exec,
     wait_for_exit,
 )
+from .snapshots import (
+    commit_snapshot,
+    list_snapshot_images_blocking,
+    remove_snapshot_image_blocking,
+    snapshot_image_config,
+)
 from .stream import _close_exec_stream, _open_exec_stream, _pump, _start_stdin
 
 if TYPE_CHECKING:
@@ -121,6 +129,7 @@ class DockerRuntime(Runtime):
     name = "docker"
     config_model = DockerConfig
     keep_supported = True
+    snapshot_holds = "filesystem"
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
@@ -130,6 +139,10 @@ class DockerRuntime(Runtime):
         self._owned = self.config.container is None
         self._default_user: str | None = self.config.user
         self._files_as_root = True
+        self._snapshot_lock = anyio.Lock()  # one commit at a time: each pauses the container
+        self._untrusted_image: str | None = None
+        """Why the image (a snapshot's) may hold an interpreter that is not the original
+        image's: the channel never runs it (see :mod:`.snapshots`)."""
 
     @property
     def sandbox_id(self) -> str | None:
@@ -223,14 +236,15 @@ class DockerRuntime(Runtime):
     async def _create_container(self) -> tuple[str, Any]:
         """Create and start the container; return the workdir and the SDK's container (not
         yet confirmed running: see ``confirm_running_blocking``)."""
-        cfg = self.config
         client = self._require_client()
-        image_user = await check_image(client, cfg)
+        cfg, image_user = await self._creation_config()
         try:
             init = cfg.init
             if init is None:
                 init = await _blocking(lambda: _engine_has_init(client), cfg, idempotent=True)
-            options = container_options(cfg, self.name, init)
+            options = container_options(
+                cfg, self.name, init, fork=self._snapshot_source is not None
+            )
             container = await _blocking(
                 lambda: create_and_start_blocking(client, cfg, options, self._record_container),
                 cfg,
@@ -240,6 +254,24 @@ class DockerRuntime(Runtime):
         self._default_user = cfg.user or image_user or None
         self._files_as_root = _is_root_user(self._default_user)
         return cfg.workdir or DEFAULT_WORKDIR, container
+
+    async def _creation_config(self) -> tuple[DockerConfig, str]:
+        """The config to create the container with (a fork's names its snapshot's image,
+        never pulled) and the image's configured user ("" for root), once the engine showed
+        the image is there (pulled as ``pull`` says).
+
+        Raises:
+            ProvisioningError: the image is missing (see ``check_image``).
+            SnapshotNotFoundError: the snapshot's image is gone.
+        """
+        client, snap = self._require_client(), self._snapshot_source
+        if snap is None:
+            return self.config, await check_image(client, self.config)
+        settings = await snapshot_image_config(client, snap, self.config)
+        labels = settings.get("Labels") or {}
+        self._untrusted_image = labels.get(UNTRUSTED) or None
+        cfg = self.config.model_copy(update={"image": snap.id, "pull": "never"})
+        return cfg, str(settings.get("User") or "")
 
     def _record_container(self, container_id: str | None) -> None:
         self._container_id = container_id
@@ -543,8 +575,11 @@ class DockerRuntime(Runtime):
     async def _verify_attached_python(self) -> str | None:
         """Before the first agent starts in a container this runtime did not create
         (commands may have run there: a rollout's): no ``python*`` anywhere and no system
-        library changed since the image (the engine's diff). A container of our own is new."""
-        return None if self._owned else _untrusted_python(await changed_paths(self._ref()))
+        library changed since the image (the engine's diff). A container of our own is new;
+        a fork's image is a snapshot, checked when it was taken (:mod:`.snapshots`)."""
+        if self._owned:
+            return self._untrusted_image
+        return _untrusted_python(await changed_paths(self._ref()))
 
     async def _stopped(self) -> bool:
         """The channel's probe during a silence: stopped, paused or removed."""
@@ -662,6 +697,74 @@ class DockerRuntime(Runtime):
             raise SandboxNotADirectoryError(path, "a parent is not a directory")
         if code != 0:
             raise shell_error(path, sink)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _check_fork_config(self) -> None:
+        """A fork is a container of our own, from the snapshot's image.
+
+        Raises:
+            SandboxInvalidArgumentError: the config attaches to a ``container``.
+        """
+        if not self._owned:
+            raise SandboxInvalidArgumentError(
+                f"a docker sandbox opened from a snapshot is a new container: drop "
+                f"container={self.config.container!r} from its config"
+            )
+
+    async def _snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
+        """Commit the container to a labelled image, paused meanwhile (see :mod:`.snapshots`).
+
+        Raises:
+            SandboxUnavailableError: the container is gone or stopped.
+            SandboxTransportError: the engine did not answer.
+            SandboxError: the engine refused to commit.
+        """
+        inherited = self._untrusted_image
+        if inherited is None and self._snapshot_source is not None:
+            inherited = self._snapshot_source.untrusted
+        # With a policy account of its own for its whole life, nothing but the host's own
+        # (root) commands could change the system files: no diff to read.
+        check = not (self._owned and self.policy_user is not None)
+        async with self._snapshot_lock:
+            return await commit_snapshot(self._ref(), labels, inherited, check=check)
+
+    @classmethod
+    async def list_snapshots(cls, config: RuntimeConfig | None = None) -> list[SandboxSnapshot]:
+        """Every image carrying the ``vf-sandbox.snapshot`` label on the engine.
+
+        Raises:
+            SandboxTransportError: the engine did not answer (after retries).
+        """
+        cfg = config if isinstance(config, DockerConfig) else DockerConfig()
+        return await _blocking(
+            lambda: list_snapshot_images_blocking(_client_for(cfg).api), cfg, idempotent=True
+        )
+
+    @classmethod
+    async def destroy_snapshot(
+        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None = None
+    ) -> None:
+        """Remove a snapshot's image (gone already is fine).
+
+        Raises:
+            SandboxInvalidArgumentError: the image is not a vf-sandbox snapshot.
+            SandboxError: a container (a sandbox opened from it) still uses it.
+            SandboxTransportError: the engine did not answer (after retries).
+        """
+        cfg = config if isinstance(config, DockerConfig) else DockerConfig()
+        await _blocking(
+            lambda: remove_snapshot_image_blocking(_client_for(cfg).api, snapshot),
+            cfg,
+            idempotent=True,
+        )
+
+    @classmethod
+    def _destroy_snapshot_at_exit(
+        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None
+    ) -> None:
+        cfg = config if isinstance(config, DockerConfig) else DockerConfig()
+        remove_snapshot_image_blocking(_client_for(cfg).api, snapshot)
 
     # ------------------------------------------------------------------ sweeping
 

@@ -38,6 +38,8 @@ class ModalConfig(RuntimeConfig):
     session labels every sandbox carries as Modal tags. ``max_live`` caps this process's
     live Modal sandboxes and ``creations_per_second`` its creation rate;
     ``create_attempts`` bounds the retries when Modal answers ``ResourceExhaustedError``.
+    ``snapshot_timeout`` and ``snapshot_ttl`` bound ``rt.snapshot()`` and how long Modal keeps
+    its image (``docs/snapshots.md``).
     """
 
     enforced_limits: ClassVar[frozenset[str]] = frozenset({"cpus", "memory"})
@@ -61,6 +63,15 @@ class ModalConfig(RuntimeConfig):
     create_attempts: int = Field(default=6, ge=1, le=20)
     create_timeout: float = Field(default=600.0, gt=0)
     policy_user: str | None = DEFAULT_POLICY_USER
+    snapshot_timeout: int = Field(
+        default=55, ge=1, description="seconds Modal may take to snapshot the filesystem"
+    )
+    snapshot_ttl: int = Field(
+        default=24 * 3600,
+        ge=60,
+        le=7 * 24 * 3600,
+        description="seconds a snapshot's image is kept at most (its record lasts 7 days idle)",
+    )
     channel: bool = Field(
         default=True,
         description="run commands and files through a persistent in-sandbox agent (python3)",

@@ -26,7 +26,10 @@ from ..errors import (
     SandboxTransportError,
 )
 from ..models import SandboxInfo
+from ..scripts import load
+from ..snapshot import SandboxSnapshot, snapshot_from_labels
 from ..sweep import CLOCK_TICK_SCRIPT, MARK_VAR, sweep_argv
+from ..wrapper import CONTROL_DIR
 from . import client
 from .client import (
     KILL_TIMEOUT,
@@ -39,8 +42,18 @@ from .client import (
 from .config import ModalConfig, _is_dockerfile
 from .files import _ModalFiles
 from .process import _ModalExec
+from .snapshots import (
+    delete_recorded,
+    delete_recorded_blocking,
+    experimental,
+    fork_image,
+    list_recorded,
+    record_snapshot,
+)
 
 log = logging.getLogger("runtimes.modal")
+
+_RESET_CONTROL_DIR = load("reset_control_dir", "runtimes.modal.scripts")
 
 CREATE_BACKOFF = (1.0, 30.0)
 """First and longest wait (seconds) between creations Modal refused as resource-exhausted."""
@@ -60,6 +73,7 @@ class ModalRuntime(_ModalExec, _ModalFiles):
     name = "modal"
     config_model = ModalConfig
     keep_supported = True
+    snapshot_holds = "filesystem"
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
@@ -186,9 +200,10 @@ class ModalRuntime(_ModalExec, _ModalFiles):
             raise ProvisioningError(
                 f"cannot look up the Modal app {cfg.app_name!r}: {type(exc).__name__}: {exc}"
             ) from exc
+        snap = self._snapshot_source
         kwargs: dict[str, Any] = {
             "app": app,
-            "image": self._image(modal),
+            "image": self._image(modal) if snap is None else await fork_image(cfg, snap),
             "tags": self._tags(),
             "timeout": cfg.timeout,
             "idle_timeout": cfg.idle_timeout,
@@ -232,8 +247,24 @@ class ModalRuntime(_ModalExec, _ModalFiles):
                 f"{self.describe()}: cannot create the workdir {workdir!r}: {exc}"
             ) from exc
         await self._start_channel()
+        if self._snapshot_source is not None:
+            await self._reset_control_dir()
         self._started_at = await self._clock_tick(workdir)
         return workdir
+
+    async def _reset_control_dir(self) -> None:
+        """A fork's filesystem holds the exec wrapper's control directory as the source left
+        it (its commands may have planted files, or a link): made anew, as root, before any
+        command of the fork runs.
+
+        Raises:
+            ProvisioningError: it could not be made.
+        """
+        request, sink = self._internal(["sh", "-c", _RESET_CONTROL_DIR, "sh", CONTROL_DIR])
+        code = await self._routed_exec(request, sink)
+        if code != 0:
+            detail = bytes(sink.stderr).decode("utf-8", "replace").strip()
+            raise ProvisioningError(f"{self.describe()}: cannot reset {CONTROL_DIR}: {detail}")
 
     async def _clock_tick(self, workdir: str) -> int:
         """The sandbox's clock tick now (see :data:`~runtimes.base.CLOCK_TICK_SCRIPT`).
@@ -328,6 +359,79 @@ class ModalRuntime(_ModalExec, _ModalFiles):
         if worker.is_alive() or failures:
             reason = repr(failures[0]) if failures else f"no answer in {KILL_TIMEOUT:g}s"
             raise SandboxError(f"{self.describe()}: terminate at exit failed: {reason}")
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def _snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
+        """``Sandbox.snapshot_filesystem`` (kept ``snapshot_ttl`` seconds at most), recorded
+        with its labels in the app's snapshot Dict (see :mod:`.snapshots`).
+
+        Raises:
+            SandboxUnavailableError: the sandbox is no longer running.
+            SandboxTransportError: Modal could not be reached.
+            SandboxError: Modal refused the snapshot or its record (the image is deleted).
+        """
+        sandbox, cfg = self._live_sandbox(), self.config
+
+        async def take() -> Any:
+            return await _call(
+                sandbox.snapshot_filesystem, cfg.snapshot_timeout, ttl=cfg.snapshot_ttl
+            )
+
+        image = await self._sdk("snapshot_filesystem", None, take)
+        snapshot = snapshot_from_labels(self.name, str(image.object_id), labels, "filesystem")
+        try:
+            await record_snapshot(cfg, snapshot.id, labels)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._delete_unrecorded(snapshot)
+            raise
+        return snapshot
+
+    async def _delete_unrecorded(self, snapshot: SandboxSnapshot) -> None:
+        """Delete the image of a snapshot whose record failed (it expires at its ttl anyway)."""
+        modal = client._modal()
+        try:
+            await _call(experimental(modal).image_delete, snapshot.id)
+        except Exception as exc:  # noqa: BLE001 - the record's error propagates; this one is logged
+            log.warning(
+                "modal: could not delete the unrecorded image %s (it expires after "
+                "snapshot_ttl=%ss): %r",
+                snapshot.id,
+                self.config.snapshot_ttl,
+                exc,
+            )
+
+    @classmethod
+    async def list_snapshots(cls, config: RuntimeConfig | None = None) -> list[SandboxSnapshot]:
+        """The snapshots recorded for the config's app (none without Modal credentials).
+
+        Raises:
+            SandboxTransportError: Modal could not be reached.
+            SandboxError: Modal refused the listing.
+        """
+        return await list_recorded(config if isinstance(config, ModalConfig) else ModalConfig())
+
+    @classmethod
+    async def destroy_snapshot(
+        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None = None
+    ) -> None:
+        """Delete a recorded snapshot's image and record (gone already is fine).
+
+        Raises:
+            SandboxTransportError: Modal could not be reached.
+            SandboxError: Modal refused.
+        """
+        cfg = config if isinstance(config, ModalConfig) else ModalConfig()
+        await delete_recorded(cfg, snapshot)
+
+    @classmethod
+    def _destroy_snapshot_at_exit(
+        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None
+    ) -> None:
+        """Through the SDK's blocking interface, in a thread, bounded."""
+        cfg = config if isinstance(config, ModalConfig) else ModalConfig()
+        delete_recorded_blocking(cfg, snapshot)
 
     def _route_hint(self) -> str:
         return (

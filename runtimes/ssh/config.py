@@ -68,6 +68,11 @@ class SSHConfig(RuntimeConfig):
         gt=0,
         description="seconds without progress before a file or control call fails",
     )
+    snapshot_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds a workdir copy may take (a snapshot, a sandbox opened from one)",
+    )
     max_channels: int = Field(default=10, ge=4)
     policy_user: str | None = None
     network: Literal["host"] = "host"

@@ -19,6 +19,7 @@ from ..base import sweep_argv
 from ..errors import SandboxInvalidArgumentError, SandboxTransportError
 from ..models import SandboxInfo
 from ..scripts import load
+from ..snapshot import SandboxSnapshot, snapshot_from_labels
 from .client import _CHUNK, _answer_within, _connect
 from .config import SSHConfig
 from .process import _MARKER_VAR
@@ -31,6 +32,8 @@ log = logging.getLogger("runtimes.ssh")
 _SCRIPTS = "runtimes.ssh.scripts"
 _SANDBOX_PREFIX = "vf-sandbox."
 _META = "sandbox.json"
+_SNAPSHOT_PREFIX = "vf-snapshot."
+_SNAPSHOT_META = "snapshot.json"
 
 
 class _ControlScript(NamedTuple):
@@ -45,9 +48,19 @@ class _ControlScript(NamedTuple):
         return shlex.join(["sh", "-c", load(self.name, _SCRIPTS), "sh", *self.args])
 
 
-def _setup_script(workdir: str | None) -> _ControlScript:
-    """Create the sandbox directory (metadata on stdin); prints it, the workdir and tools."""
-    return _ControlScript("setup", (_SANDBOX_PREFIX, _META, workdir or ""))
+def _setup_script(
+    workdir: str | None, snapshot: str | None = None, passage: bool = False
+) -> _ControlScript:
+    """Create the sandbox directory (metadata on stdin); prints it, the workdir and tools.
+    ``snapshot``: a snapshot directory whose tree becomes the workdir; ``passage``: let the
+    policy's account through the directory."""
+    args = (_SANDBOX_PREFIX, _META, workdir or "", snapshot or "", "1" if passage else "")
+    return _ControlScript("setup", args)
+
+
+def _snapshot_script(workdir: str) -> _ControlScript:
+    """Copy the workdir into a new snapshot directory (metadata on stdin); prints it."""
+    return _ControlScript("snapshot", (_SNAPSHOT_PREFIX, _SNAPSHOT_META, workdir))
 
 
 def _kill_script(pgids: Iterable[int]) -> _ControlScript:
@@ -74,14 +87,14 @@ def _list_script() -> _ControlScript:
     return _ControlScript("list", (_SANDBOX_PREFIX, _META))
 
 
-def _valid_sandbox_dir(path: str) -> bool:
+def _valid_sandbox_dir(path: str, prefix: str = _SANDBOX_PREFIX) -> bool:
     name = posixpath.basename(path)
-    return (
-        path.startswith("/")
-        and name.startswith(_SANDBOX_PREFIX)
-        and "/" not in name
-        and ".." not in path
-    )
+    return path.startswith("/") and name.startswith(prefix) and "/" not in name and ".." not in path
+
+
+def valid_snapshot_dir(path: str) -> bool:
+    """Whether ``path`` has the form of a snapshot directory this backend makes."""
+    return _valid_sandbox_dir(path, _SNAPSHOT_PREFIX)
 
 
 def _read_channel(recv: Callable[[int], bytes]) -> bytes:
@@ -127,7 +140,8 @@ async def _one_shot(config: SSHConfig, script: _ControlScript) -> tuple[int, byt
     return await anyio.to_thread.run_sync(run)
 
 
-def _parse_listing(out: bytes) -> list[SandboxInfo]:
+def _parse_labels(out: bytes, meta_name: str) -> list[tuple[str, dict[str, str]]]:
+    """The (directory, labels) pairs of a listing by ``list.sh``."""
     fields = out.split(b"\0")
     found = []
     for path_raw, meta_raw in zip(fields[0::2], fields[1::2], strict=False):
@@ -136,18 +150,23 @@ def _parse_listing(out: bytes) -> list[SandboxInfo]:
             meta = json.loads(meta_raw)
             labels = {str(k): str(v) for k, v in dict(meta.get("labels", {})).items()}
         except (ValueError, TypeError, AttributeError):
-            log.warning("skipping %s: unreadable %s", path, _META)
+            log.warning("skipping %s: unreadable %s", path, meta_name)
             continue
-        found.append(
-            SandboxInfo(
-                backend="ssh",
-                id=path,
-                labels=labels,
-                state="present",
-                created=labels.get(ownership.CREATED),
-            )
-        )
+        found.append((path, labels))
     return found
+
+
+def _parse_listing(out: bytes) -> list[SandboxInfo]:
+    return [
+        SandboxInfo(
+            backend="ssh",
+            id=path,
+            labels=labels,
+            state="present",
+            created=labels.get(ownership.CREATED),
+        )
+        for path, labels in _parse_labels(out, _META)
+    ]
 
 
 async def list_host_sandboxes(config: SSHConfig) -> list[SandboxInfo]:
@@ -167,3 +186,35 @@ async def destroy_host_sandbox(info: SandboxInfo, config: SSHConfig) -> None:
     code, _, err = await _one_shot(config, script)
     if code != 0:
         raise SandboxTransportError(f"removing {info.id} on {config.destination} failed: {err!r}")
+
+
+async def list_host_snapshots(config: SSHConfig) -> list[SandboxSnapshot]:
+    """Snapshot directories on ``config``'s host (see :meth:`SSHRuntime.list_snapshots`)."""
+    script = _ControlScript("list", (_SNAPSHOT_PREFIX, _SNAPSHOT_META))
+    code, out, err = await _one_shot(config, script)
+    if code != 0:
+        raise SandboxTransportError(f"listing snapshots on {config.destination} failed: {err!r}")
+    return [
+        snapshot_from_labels("ssh", path, labels, "workdir")
+        for path, labels in _parse_labels(out, _SNAPSHOT_META)
+    ]
+
+
+def remove_snapshot_script(snapshot: SandboxSnapshot) -> _ControlScript:
+    """Remove a snapshot directory (nothing runs in it: no sweep).
+
+    Raises:
+        SandboxInvalidArgumentError: ``snapshot.id`` is not a snapshot directory.
+    """
+    if not valid_snapshot_dir(snapshot.id):
+        raise SandboxInvalidArgumentError(f"not an ssh snapshot directory: {snapshot.id!r}")
+    return _ControlScript("remove", (snapshot.id,))
+
+
+async def destroy_host_snapshot(snapshot: SandboxSnapshot, config: SSHConfig) -> None:
+    """Remove a snapshot directory (see :meth:`SSHRuntime.destroy_snapshot`)."""
+    code, _, err = await _one_shot(config, remove_snapshot_script(snapshot))
+    if code != 0:
+        raise SandboxTransportError(
+            f"removing {snapshot.id} on {config.destination} failed: {err!r}"
+        )

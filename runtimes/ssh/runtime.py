@@ -34,6 +34,7 @@ from ..errors import (
 )
 from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..routes import HostRoute, RouteKind
+from ..snapshot import SandboxSnapshot, SnapshotNotFoundError, snapshot_from_labels
 from ..stdin_feed import feed_stdin
 from ..wrapper import check_argv_size, new_nonce, spool_argv
 from .client import _CHUNK, _Connection
@@ -45,8 +46,12 @@ from .control import (
     _remove_script,
     _run_control,
     _setup_script,
+    _snapshot_script,
     destroy_host_sandbox,
+    destroy_host_snapshot,
     list_host_sandboxes,
+    list_host_snapshots,
+    valid_snapshot_dir,
 )
 from .files import _is_dir, _sftp_exists, _sftp_read, _sftp_read_or_none, _sftp_write
 from .process import (
@@ -86,6 +91,7 @@ class SSHRuntime(_ConnectedRuntime):
     name = "ssh"
     config_model = SSHConfig
     keep_supported = True
+    snapshot_holds = "workdir"
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
@@ -162,15 +168,22 @@ class SSHRuntime(_ConnectedRuntime):
             "destination": self.config.destination,
             "workdir": self.config.workdir,
         }
+        snap = self._snapshot_source
+        script = _setup_script(
+            self.config.workdir,
+            snap.id if snap is not None else None,
+            passage=self._inherits_policy_account(),
+        )
+        timeout = self.config.snapshot_timeout if snap is not None else None
         try:
-            code, out, err = await self._control(
-                _setup_script(self.config.workdir), json.dumps(meta).encode()
-            )
+            code, out, err = await self._control(script, json.dumps(meta).encode(), timeout=timeout)
         except SandboxError as exc:
             raise ProvisioningError(
                 f"{self.describe()}: setting up the sandbox failed: {exc}"
             ) from exc
         lines = out.decode("utf-8", "replace").split("\n")
+        if code == 6 and snap is not None:
+            raise SnapshotNotFoundError(f"{snap.describe()} is gone from {self.config.destination}")
         if code != 0 or len(lines) != 6:
             detail = err.decode("utf-8", "replace").strip() or f"exit status {code}"
             raise ProvisioningError(
@@ -182,6 +195,67 @@ class SSHRuntime(_ConnectedRuntime):
         log.debug("opened %s (workdir %s)", self.describe(), workdir)
         await self._start_channel()
         return workdir
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _check_fork_config(self) -> None:
+        """A fork gets a private copy of the snapshot's workdir.
+
+        Raises:
+            SandboxInvalidArgumentError: the config names a ``workdir``.
+        """
+        if self.config.workdir is not None:
+            raise SandboxInvalidArgumentError(
+                "an ssh sandbox opened from a snapshot gets a private copy of the snapshot's "
+                f"workdir: drop workdir={self.config.workdir!r} from its config"
+            )
+
+    async def _snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
+        """Copy the workdir into a snapshot directory under the remote temp dir (``cp -a``:
+        links copied as links, reflinks where the filesystem has them).
+
+        Raises:
+            SandboxError: the copy failed (an unreadable file, no space), or the workdir is
+                not a directory any more.
+        """
+        code, out, err = await self._control(
+            _snapshot_script(self.workdir),
+            json.dumps({"labels": labels}).encode(),
+            timeout=self.config.snapshot_timeout,
+        )
+        directory = out.decode("utf-8", "replace").strip()
+        if code != 0 or not valid_snapshot_dir(directory):
+            detail = err.decode("utf-8", "replace").strip() or f"exit status {code}"
+            raise SandboxError(f"{self.describe()}: the snapshot failed: {detail}")
+        return snapshot_from_labels(self.name, directory, labels, "workdir")
+
+    @classmethod
+    async def list_snapshots(cls, config: RuntimeConfig | None = None) -> list[SandboxSnapshot]:
+        """Snapshot directories on ``config``'s host (none without an SSH config).
+
+        Raises:
+            ProvisioningError: the host cannot be reached or refuses the credentials.
+            SandboxTransportError: the listing command failed.
+        """
+        if not isinstance(config, SSHConfig):
+            return []
+        return await list_host_snapshots(config)
+
+    @classmethod
+    async def destroy_snapshot(
+        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None = None
+    ) -> None:
+        """Remove a snapshot directory (gone already is fine).
+
+        Raises:
+            SandboxInvalidArgumentError: no SSH config, or ``snapshot.id`` is not a snapshot
+                directory.
+            ProvisioningError: the host cannot be reached or refuses the credentials.
+            SandboxTransportError: the removal failed.
+        """
+        if not isinstance(config, SSHConfig):
+            raise SandboxInvalidArgumentError("removing an ssh snapshot needs its SSHConfig")
+        await destroy_host_snapshot(snapshot, config)
 
     async def _close(self) -> None:
         try:

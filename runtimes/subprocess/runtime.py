@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..routes import HostRoute, RouteKind
+from ..snapshot import SandboxSnapshot, snapshot_from_labels
 from .config import _META, SubprocessConfig, default_root
 from .files import (
     CreatedDir,
@@ -46,6 +47,7 @@ from .process import (
     _pump_with_stdin_source,
     _spawn_error,
 )
+from .snapshots import copy_snapshot_into, destroy_snapshot_dir, scan_snapshots, take_snapshot
 from .sweep import (
     _SINCE_MARGIN_TICKS,
     _boot_ticks,
@@ -71,6 +73,7 @@ class SubprocessRuntime(Runtime):
     name = "subprocess"
     config_model = SubprocessConfig
     keep_supported = True
+    snapshot_holds = "workdir"
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
@@ -106,9 +109,12 @@ class SubprocessRuntime(Runtime):
             raise ProvisioningError(f"cannot create the workdir {workdir}: {exc}") from exc
         return workdir
 
+    def _root(self) -> Path:
+        return Path(self.config.root or default_root())
+
     def _make_dirs(self) -> str:
         given = self._given_workdir()
-        root = Path(self.config.root or default_root())
+        root = self._root()
         try:
             root.mkdir(parents=True, exist_ok=True)
             since = _boot_ticks() - _SINCE_MARGIN_TICKS
@@ -124,19 +130,24 @@ class SubprocessRuntime(Runtime):
             }
             if given is None:
                 workdir = self._dir / "work"
-                workdir.mkdir()
             else:
                 workdir = given
                 meta["workdir"] = str(workdir)
                 if self._created is not None:
                     meta["created"] = self._created.to_meta()
+            # Labelled before anything long (a fork's copy): a holder killed meanwhile
+            # leaves a directory that `vf-sandbox cleanup` finds.
+            (self._dir / _META).write_text(json.dumps(meta))
+            if given is None and self._snapshot_source is not None:
+                copy_snapshot_into(self._snapshot_source, workdir)
+            elif given is None:
+                workdir.mkdir()
             self._target = _Target(
                 mark=self._mark,
                 dirs=_real_dirs(self._dir, workdir),
                 sessions=self._sessions,
                 since=since,
             )
-            (self._dir / _META).write_text(json.dumps(meta))
         except OSError as exc:
             from ..errors import ProvisioningError
 
@@ -147,6 +158,57 @@ class SubprocessRuntime(Runtime):
 
     async def _close(self) -> None:
         await anyio.to_thread.run_sync(self._teardown)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _check_fork_config(self) -> None:
+        """A fork gets a private copy of the snapshot's workdir, never a directory of yours.
+
+        Raises:
+            SandboxInvalidArgumentError: the config names a ``workdir``.
+        """
+        if self.config.workdir:
+            from ..errors import SandboxInvalidArgumentError
+
+            raise SandboxInvalidArgumentError(
+                "a subprocess sandbox opened from a snapshot gets a private copy of the "
+                f"snapshot's workdir: drop workdir={self.config.workdir!r} from its config"
+            )
+
+    async def _snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
+        """Copy the workdir into ``<root>/snap-*/tree`` (see :mod:`.snapshots`).
+
+        Raises:
+            SandboxError: the copy failed (an unreadable file, no space), or the workdir was
+                replaced by a link.
+        """
+        root, workdir = self._root(), Path(self.workdir)
+        directory = await anyio.to_thread.run_sync(take_snapshot, root, workdir, labels)
+        return snapshot_from_labels(self.name, str(directory), labels, "workdir")
+
+    @classmethod
+    async def list_snapshots(cls, config: RuntimeConfig | None = None) -> list[SandboxSnapshot]:
+        """The snapshot directories of this user under the config's root."""
+        root = Path(getattr(config, "root", None) or default_root())
+        return await anyio.to_thread.run_sync(scan_snapshots, root)
+
+    @classmethod
+    async def destroy_snapshot(
+        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None = None
+    ) -> None:
+        """Remove a snapshot's directory (never following a link); gone already is fine.
+
+        Raises:
+            SandboxInvalidArgumentError: ``snapshot.id`` is not a snapshot directory of this
+                user's.
+        """
+        await anyio.to_thread.run_sync(destroy_snapshot_dir, snapshot)
+
+    @classmethod
+    def _destroy_snapshot_at_exit(
+        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None
+    ) -> None:
+        destroy_snapshot_dir(snapshot)
 
     def _close_at_exit(self) -> None:
         self._teardown()

@@ -19,11 +19,16 @@ Where the fake stops and the real SDK starts:
   parsing, mapping to ``SandboxFilesystem*Error``, ``NotFoundError("The Sandbox is
   unavailable")`` for a dead sandbox).
 * **Fake** (this module): the control plane (``Sandbox.create`` after validation, ``list``,
-  ``from_id``, ``terminate``, ``poll``, ``wait``, tags, ``App.lookup``, ``Image``, ``Secret``)
-  and the worker's task command router (exec start, stdio, stdin, wait/poll), executing each
-  exec as a ``docker exec`` in one container per sandbox; and the fs-tools binary, played by
-  ``fake_fs_tools.py``. Server-side state lives in a directory (``state_dir``) so several
-  processes can share one fake service, as they share Modal.
+  ``from_id``, ``terminate``, ``poll``, ``wait``, tags, ``App.lookup``, ``Image``, ``Secret``,
+  ``Dict``, ``experimental.image_delete``) and the worker's task command router (exec start,
+  stdio, stdin, wait/poll, filesystem snapshot), executing each exec as a ``docker exec`` in
+  one container per sandbox; and the fs-tools binary, played by ``fake_fs_tools.py``.
+  ``Sandbox.snapshot_filesystem`` is the SDK's own request path (``snapshot_filesystem_via_tcr``:
+  ttl validation, the returned hydrated ``modal.Image``); the router commits the sandbox's
+  container to a Docker image registered under an ``im-`` id, which ``Sandbox.create(image=)``
+  accepts (as the returned ``Image``, or ``Image.from_id``). Server-side state lives in a
+  directory (``state_dir``) so several processes can share one fake service, as they share
+  Modal.
 
 ``FakeModalService`` also lets tests inject failures (``create_failures``, ``exec_failures``)
 and records every ``create`` call (``created``). Every container carries the label
@@ -63,6 +68,7 @@ from modal.sandbox._common import (
     SandboxCreateCommon,
     _result_returncode,
     exec_via_tcr,
+    snapshot_filesystem_via_tcr,
 )
 from modal.sandbox._filesystem import _SANDBOX_FS_TOOLS_PATH, _SandboxFilesystem
 from modal.sandbox._sandbox import _Sandbox
@@ -71,6 +77,7 @@ from modal_proto import api_pb2
 from modal_proto import task_command_router_pb2 as sr_pb2
 
 FAKE_LABEL = "vf-sandbox-test.fake-modal"
+IMAGE_REPOSITORY = "fake-modal-snapshot"
 STAND_IN_IMAGE = "vf-sandbox/base:bookworm"
 STDIO_MESSAGE_BYTES = 256 * 1024
 PIPE_BUFFER_BYTES = 8 * 1024 * 1024
@@ -368,6 +375,26 @@ class FakeModalService:
                 continue
         return found
 
+    def _json_state(self, name: str) -> Path:
+        return self.state_dir / name
+
+    def _update_json(self, name: str, change: Callable[[dict[str, Any]], _T]) -> _T:
+        """Read-modify-write one JSON state file (under the lock; atomic replace)."""
+        path = self._json_state(name)
+        with self._lock:
+            data = json.loads(path.read_text()) if path.exists() else {}
+            result = change(data)
+            tmp = path.with_suffix(f".{uuid.uuid4().hex}.tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, path)
+            return result
+
+    def _read_json(self, name: str) -> dict[str, Any]:
+        path = self._json_state(name)
+        with self._lock:
+            data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+            return data
+
     def app_id(self, name: str, create: bool) -> str:
         path = self.state_dir / "apps.json"
         with self._lock:
@@ -451,6 +478,9 @@ class FakeModalService:
     async def _image_tag(self, image: Any) -> str:
         if image is None:
             return self.stand_in_image
+        image_id = _image_id(image)
+        if image_id is not None:
+            return self.snapshot_image(image_id)
         if image.dockerfile is not None:
             return await self._build(image.dockerfile, image.context_dir)
         if image.tag in self.missing_images:
@@ -502,6 +532,71 @@ class FakeModalService:
         record.exit_code = int(state["ExitCode"])
         self.save(record)
         return record
+
+    # -- filesystem snapshots (images) and dicts
+
+    async def snapshot_filesystem(self, sandbox_id: str, ttl_seconds: int) -> str:
+        """Commit the sandbox's container to an image; its ``im-`` id."""
+        record = await self.status(self.load(sandbox_id))
+        if record.status is not None:
+            raise grpc_error(Status.NOT_FOUND, f"task for {sandbox_id} not found")
+        image_id = f"im-{uuid.uuid4().hex[:22]}"
+        try:
+            committed = await self.in_thread(
+                self.api.commit,
+                record.container,
+                repository=IMAGE_REPOSITORY,
+                tag=image_id,
+                conf={"Labels": {FAKE_LABEL: str(self.state_dir), "fake-modal.image-id": image_id}},
+            )
+        except docker.errors.NotFound:
+            raise grpc_error(Status.NOT_FOUND, f"task for {sandbox_id} not found") from None
+        entry = {"docker": str(committed["Id"]), "ttl": ttl_seconds, "created": time.time()}
+        self._update_json("images.json", lambda images: images.__setitem__(image_id, entry))
+        return image_id
+
+    def snapshot_image(self, image_id: str) -> str:
+        """The Docker image of a snapshot ``image_id`` (NotFoundError: none, or deleted)."""
+        entry = self._read_json("images.json").get(image_id)
+        if entry is None:
+            raise grpc_error(Status.NOT_FOUND, f"Image {image_id} not found")
+        return str(entry["docker"])
+
+    def delete_image(self, image_id: str) -> None:
+        """``ImageDelete``: the image is gone for good (NotFoundError: no such image)."""
+        entry = self._update_json("images.json", lambda images: images.pop(image_id, None))
+        if entry is None:
+            raise grpc_error(Status.NOT_FOUND, f"Image {image_id} not found")
+        with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+            self.api.remove_image(entry["docker"], force=True)
+
+    def dict_id(self, name: str, environment: str | None, create: bool) -> str:
+        key = f"{environment or ''}/{name}"
+
+        def find(dicts: dict[str, Any]) -> str | None:
+            if key not in dicts and create:
+                dicts[key] = {"id": f"di-{uuid.uuid4().hex[:22]}", "items": {}}
+            return None if key not in dicts else str(dicts[key]["id"])
+
+        found = self._update_json("dicts.json", find)
+        if found is None:
+            raise grpc_error(Status.NOT_FOUND, f"Dict '{name}' not found")
+        return found
+
+    def dict_items(self, dict_id: str) -> dict[str, Any]:
+        for entry in self._read_json("dicts.json").values():
+            if entry["id"] == dict_id:
+                return dict(entry["items"])
+        raise grpc_error(Status.NOT_FOUND, f"Dict {dict_id} not found")
+
+    def dict_change(self, dict_id: str, change: Callable[[dict[str, Any]], _T]) -> _T:
+        def apply(dicts: dict[str, Any]) -> _T:
+            for entry in dicts.values():
+                if entry["id"] == dict_id:
+                    return change(entry["items"])
+            raise grpc_error(Status.NOT_FOUND, f"Dict {dict_id} not found")
+
+        return self._update_json("dicts.json", apply)
 
     def returncode(self, record: _Record) -> int | None:
         return _result_returncode(_generic_result(record))
@@ -590,6 +685,9 @@ class FakeModalService:
         ):
             with contextlib.suppress(docker.errors.NotFound):
                 container.remove(force=True)
+        for image in self.docker.images.list(filters={"label": f"{FAKE_LABEL}={self.state_dir}"}):
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                self.api.remove_image(image.id, force=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.docker.close()
 
@@ -602,6 +700,8 @@ class FakeModalService:
         fake.App = App  # type: ignore[attr-defined]
         fake.Image = Image  # type: ignore[attr-defined]
         fake.Secret = Secret  # type: ignore[attr-defined]
+        fake.Dict = Dict  # type: ignore[attr-defined]
+        fake.experimental = types.SimpleNamespace(image_delete=image_delete)  # type: ignore[attr-defined]
         fake.exception = modal_exc  # type: ignore[attr-defined]
         fake.config = types.SimpleNamespace(config={"token_id": "ak-fake"})  # type: ignore[attr-defined]
         fake.__version__ = modal.__version__  # type: ignore[attr-defined]
@@ -729,6 +829,20 @@ class _FakeCommandRouter:
             return sr_pb2.TaskExecPollResponse()
         return sr_pb2.TaskExecPollResponse(code=await self._exit_status(session, exec_id))
 
+    async def snapshot_filesystem(
+        self, request: sr_pb2.TaskSnapshotFilesystemRequest, *, timeout: float, **kwargs: Any
+    ) -> sr_pb2.TaskSnapshotFilesystemResponse:
+        try:
+            image_id = await asyncio.wait_for(
+                self.service.snapshot_filesystem(
+                    self._sandbox(request.task_id), request.ttl_seconds
+                ),
+                timeout,
+            )
+        except TimeoutError:
+            raise modal_exc.TimeoutError("Deadline exceeded while snapshotting") from None
+        return sr_pb2.TaskSnapshotFilesystemResponse(image_id=image_id)
+
     async def exec_wait(
         self, task_id: str, exec_id: str, deadline: float | None = None
     ) -> sr_pb2.TaskExecWaitResponse:
@@ -790,13 +904,42 @@ class _FakeApp:
         return _FakeApp(_service().app_id(name, create_if_missing), name)
 
 
+def _image_id(image: Any) -> str | None:
+    """The ``im-`` id of an image that names one (``Image.from_id``, or the ``Image`` a
+    filesystem snapshot returned: the SDK's own class), else ``None``."""
+    image_id = getattr(image, "image_id", None)
+    if image_id is None and isinstance(image, modal.image._Image):
+        image_id = image.object_id
+    return None if image_id is None else str(image_id)
+
+
 class _FakeImage:
     def __init__(
-        self, tag: str | None = None, dockerfile: str | None = None, context_dir: str | None = None
+        self,
+        tag: str | None = None,
+        dockerfile: str | None = None,
+        context_dir: str | None = None,
+        image_id: str | None = None,
     ):
         self.tag = tag
         self.dockerfile = dockerfile
         self.context_dir = context_dir
+        self.image_id = image_id
+
+    @property
+    def object_id(self) -> str:
+        if self.image_id is None:
+            raise AttributeError(f"Attempting to get object_id of unhydrated {self!r}")
+        return self.image_id
+
+    @staticmethod
+    def from_id(image_id: str, client: Any = None) -> _FakeImage:
+        return _FakeImage(image_id=image_id)
+
+    async def hydrate(self, client: Any = None) -> _FakeImage:
+        if self.image_id is not None:
+            _service().snapshot_image(self.image_id)  # NotFoundError once deleted
+        return self
 
     @staticmethod
     def from_registry(tag: str, secret: Any = None, **kwargs: Any) -> _FakeImage:
@@ -809,6 +952,62 @@ class _FakeImage:
         return _FakeImage(
             dockerfile=str(path), context_dir=None if context_dir is None else str(context_dir)
         )
+
+
+class _FakeDict:
+    """``modal.Dict``: a named key-value store of the control plane (JSON keys and values)."""
+
+    def __init__(self, name: str, environment_name: str | None, create_if_missing: bool):
+        self.name = name
+        self._environment = environment_name
+        self._create = create_if_missing
+        self._id: str | None = None
+
+    def _dict_id(self) -> str:
+        if self._id is None:  # hydrated lazily, at first use, like the SDK's
+            self._id = _service().dict_id(self.name, self._environment, self._create)
+        return self._id
+
+    @staticmethod
+    def from_name(
+        name: str,
+        *,
+        environment_name: str | None = None,
+        create_if_missing: bool = False,
+        client: Any = None,
+    ) -> _FakeDict:
+        return _FakeDict(name, environment_name, create_if_missing)
+
+    async def put(self, key: Any, value: Any, *, skip_if_exists: bool = False) -> bool:
+        def put(items: dict[str, Any]) -> bool:
+            if skip_if_exists and json.dumps(key) in items:
+                return False
+            items[json.dumps(key)] = value
+            return True
+
+        return _service().dict_change(self._dict_id(), put)
+
+    async def get(self, key: Any, default: Any | None = None) -> Any:
+        return _service().dict_items(self._dict_id()).get(json.dumps(key), default)
+
+    async def pop(self, key: Any, default: Any = KeyError) -> Any:
+        found = _service().dict_change(
+            self._dict_id(), lambda items: items.pop(json.dumps(key), KeyError)
+        )
+        if found is KeyError:
+            if default is KeyError:
+                raise KeyError(f"{key} not in dict {self._dict_id()}")
+            return default
+        return found
+
+    async def items(self) -> AsyncGenerator[tuple[Any, Any], None]:
+        for key, value in _service().dict_items(self._dict_id()).items():
+            yield json.loads(key), value
+
+
+async def _image_delete(image_id: str, *, client: Any = None) -> None:
+    """``modal.experimental.image_delete``."""
+    _service().delete_image(image_id)
 
 
 class _FakeSecret:
@@ -987,6 +1186,17 @@ class _FakeSandbox:
             return self._returncode
         return None
 
+    async def snapshot_filesystem(
+        self, timeout: int = 55, *, ttl: int | None = 30 * 24 * 3600
+    ) -> Any:
+        self._ensure_attached()
+        return await snapshot_filesystem_via_tcr(
+            _FakeImpl(self),  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            timeout,
+            ttl=ttl,
+        )
+
     async def detach(self) -> None:
         self._attached = False
 
@@ -995,6 +1205,8 @@ Sandbox = synchronize_api(_FakeSandbox, target_module=__name__)
 App = synchronize_api(_FakeApp, target_module=__name__)
 Image = synchronize_api(_FakeImage, target_module=__name__)
 Secret = synchronize_api(_FakeSecret, target_module=__name__)
+Dict = synchronize_api(_FakeDict, target_module=__name__)
+image_delete = synchronize_api(_image_delete, target_module=__name__)
 
 
 def install(service: FakeModalService, monkeypatch: Any) -> types.ModuleType:

@@ -1,0 +1,157 @@
+"""Snapshots of Modal sandboxes: ``Sandbox.snapshot_filesystem()`` gives an Image; a fork is a
+sandbox created with ``image=Image.from_id(...)``.
+
+Modal keeps no labels on images, so each snapshot is recorded in a Modal Dict of the app's
+environment (``<app_name>-snapshots``: image id -> the snapshot's labels), which ``vf-sandbox
+ls`` / ``cleanup`` read. The image itself expires after ``snapshot_ttl`` seconds whatever
+happens (a holder killed before anything could record or remove it leaks nothing for long);
+the record is written right after the snapshot, and an image whose record could not be
+written is deleted again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import threading
+from typing import Any
+
+from .. import ownership
+from ..errors import ProvisioningError, SandboxError
+from ..snapshot import SandboxSnapshot, SnapshotNotFoundError, snapshot_from_labels
+from . import client
+from .client import KILL_TIMEOUT, _call, _collect, _sweep_error
+from .config import ModalConfig
+
+
+def snapshot_dict_name(cfg: ModalConfig) -> str:
+    """The Modal Dict recording the snapshots of ``cfg``'s app."""
+    return f"{cfg.app_name}-snapshots"[:64]
+
+
+def _records(modal: Any, cfg: ModalConfig, *, create: bool) -> Any:
+    return modal.Dict.from_name(
+        snapshot_dict_name(cfg), environment_name=cfg.environment, create_if_missing=create
+    )
+
+
+def experimental(modal: Any) -> Any:
+    """``modal.experimental`` (its ``image_delete``): an attribute of a fake SDK, a submodule
+    to import of the real one."""
+    found = getattr(modal, "experimental", None)
+    return found if found is not None else importlib.import_module(f"{modal.__name__}.experimental")
+
+
+async def record_snapshot(cfg: ModalConfig, image_id: str, labels: dict[str, str]) -> None:
+    """Write the snapshot's record.
+
+    Raises:
+        SandboxTransportError: Modal could not be reached.
+        SandboxError: Modal refused.
+    """
+    modal = client._modal()
+    try:
+        await _call(_records(modal, cfg, create=True).put, image_id, json.dumps(labels))
+    except Exception as exc:
+        raise _sweep_error(exc, f"record snapshot {image_id}") from exc
+
+
+async def fork_image(cfg: ModalConfig, snapshot: SandboxSnapshot) -> Any:
+    """The Image a fork of ``snapshot`` is created from, once Modal showed it exists.
+
+    Raises:
+        SnapshotNotFoundError: Modal has no such image (deleted, or expired after its ttl).
+        ProvisioningError: Modal could not be asked.
+    """
+    modal = client._modal()
+    image = modal.Image.from_id(snapshot.id)
+    try:
+        await _call(image.hydrate)
+    except modal.exception.NotFoundError as exc:
+        raise SnapshotNotFoundError(f"{snapshot.describe()} is gone from Modal: {exc}") from None
+    except Exception as exc:
+        raise ProvisioningError(
+            f"cannot look up the image of {snapshot.describe()}: {type(exc).__name__}: {exc}"
+        ) from exc
+    return image
+
+
+async def list_recorded(cfg: ModalConfig) -> list[SandboxSnapshot]:
+    """The snapshots recorded for ``cfg``'s app (none without credentials: not contacted).
+
+    Raises:
+        SandboxTransportError: Modal could not be reached.
+        SandboxError: Modal refused the listing.
+    """
+    modal = client._modal()
+    if not modal.config.config.get("token_id"):
+        return []
+    try:
+        items = await _collect(_records(modal, cfg, create=False).items)
+    except modal.exception.NotFoundError:
+        return []  # no record was ever written
+    except Exception as exc:
+        raise _sweep_error(exc, "list snapshots") from exc
+    found = []
+    for image_id, value in items:
+        try:
+            labels = {str(k): str(v) for k, v in dict(json.loads(value)).items()}
+        except (TypeError, ValueError):
+            continue
+        if labels.get(ownership.BACKEND) == "modal":
+            found.append(snapshot_from_labels("modal", str(image_id), labels, "filesystem"))
+    return found
+
+
+async def delete_recorded(cfg: ModalConfig, snapshot: SandboxSnapshot) -> None:
+    """Delete a recorded snapshot's image, then its record; one not recorded (removed already,
+    or never one of ours) is left alone.
+
+    Raises:
+        SandboxTransportError: Modal could not be reached.
+        SandboxError: Modal refused.
+    """
+    modal = client._modal()
+    errors = modal.exception
+    records = _records(modal, cfg, create=False)
+    try:
+        if await _call(records.get, snapshot.id) is None:
+            return
+        with contextlib.suppress(errors.NotFoundError):  # expired already
+            await _call(experimental(modal).image_delete, snapshot.id)
+        await _call(records.pop, snapshot.id, None)
+    except errors.NotFoundError:
+        return  # no record was ever written
+    except Exception as exc:
+        raise _sweep_error(exc, f"delete snapshot {snapshot.id}") from exc
+
+
+def delete_recorded_blocking(cfg: ModalConfig, snapshot: SandboxSnapshot) -> None:
+    """:func:`delete_recorded` through the SDK's blocking interface, in a thread, bounded (the
+    exit backstop).
+
+    Raises:
+        SandboxError: the deletion failed or did not answer in time.
+    """
+    failures: list[BaseException] = []
+
+    def delete() -> None:
+        modal = client._modal()
+        try:
+            records = _records(modal, cfg, create=False)
+            if records.get(snapshot.id) is not None:
+                with contextlib.suppress(modal.exception.NotFoundError):
+                    experimental(modal).image_delete(snapshot.id)
+                records.pop(snapshot.id, None)
+        except modal.exception.NotFoundError:
+            return
+        except BaseException as exc:  # noqa: BLE001 - reported below, from the calling thread
+            failures.append(exc)
+
+    worker = threading.Thread(target=delete, name="vf-modal-snapshot-atexit", daemon=True)
+    worker.start()
+    worker.join(KILL_TIMEOUT)
+    if worker.is_alive() or failures:
+        reason = repr(failures[0]) if failures else f"no answer in {KILL_TIMEOUT:g}s"
+        raise SandboxError(f"removing {snapshot.describe()} at exit failed: {reason}")

@@ -1,0 +1,622 @@
+"""Warm pools of started sandboxes: :class:`RuntimePool`.
+
+Creating a sandbox takes hundreds of milliseconds on Docker and seconds on Modal; a pool
+keeps ``size`` of them started ahead of time, so that the sandbox a rollout or a judge
+asks for is already there::
+
+    async with RuntimePool({"type": "docker"}, size=16) as pool:
+        async with pool.acquire() as rt:   # a started sandbox, for this block only
+            await rt.exec(["true"])
+        # closed here; a replacement is already being started in the background
+
+What a pool guarantees (``docs/pools.md`` has the whole contract):
+
+* A pooled sandbox serves exactly one acquirer and is closed when its block ends: it is
+  never put back, never handed out twice. A runtime handed to an acquirer that was
+  cancelled before it received it was never used, so it goes back to the stock.
+* At most ``max_create_concurrency`` creations are in flight; the pool keeps ``size``
+  ready (plus one per waiting acquirer). A failing creation is retried with bounded
+  backoff up to ``create_attempts`` times; then every acquirer waiting at that moment
+  gets :class:`~runtimes.errors.ProvisioningError` (the last attempt's error chained) and
+  the pool stops refilling until the next acquire, which tries again.
+* A sandbox that waited ready for longer than ``idle_timeout`` is closed, and the pool
+  does not replace it until it is used again: an unused pool shrinks to nothing.
+* Every pooled sandbox carries the config's labels plus :data:`POOL` (``vf-sandbox.pool``
+  = the pool's id) besides the usual session labels, so ``vf-sandbox cleanup`` sweeps
+  what a killed process left. Leaving the pool's block closes every ready sandbox and
+  cancels the creations in flight (``Runtime.start`` closes what a cancelled creation
+  made); sandboxes already acquired belong to their acquirers.
+
+A pool lives in the event loop (and the task) that entered it; it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import TaskGroup
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
+from .base import Runtime
+from .config import RuntimeConfig, RuntimeConfigError
+from .errors import (
+    ProvisioningError,
+    SandboxError,
+    SandboxInvalidArgumentError,
+    SandboxTransportError,
+    SandboxUnavailableError,
+)
+from .ownership import LABEL_PREFIX
+from .registry import open_runtime, resolve_runtime_config
+
+__all__ = [
+    "POOL",
+    "PoolClosedError",
+    "PoolTimeoutError",
+    "RuntimePool",
+    "open_pooled",
+    "pool_for",
+]
+
+log = logging.getLogger("runtimes.pool")
+
+POOL = LABEL_PREFIX + "pool"
+"""The label naming the pool a sandbox was made for (its value: :attr:`RuntimePool.id`)."""
+
+DEFAULT_MAX_CREATE_CONCURRENCY = 4
+DEFAULT_IDLE_TIMEOUT = 300.0
+DEFAULT_CREATE_ATTEMPTS = 3
+DEFAULT_RETRY_BACKOFF = (0.5, 10.0)
+"""Seconds: the first retry waits up to the first number (random, exponential), no retry
+waits longer than the second."""
+
+
+class PoolTimeoutError(SandboxError, TimeoutError):
+    """``acquire(timeout=)`` / ``take(timeout=)`` expired before a sandbox was ready."""
+
+
+class PoolClosedError(SandboxUnavailableError):
+    """The pool is not open: never entered, or its ``async with`` block has ended."""
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """An acquirer waiting for the next ready sandbox (or for the reason there is none)."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    runtime: Runtime | None = None
+    failure: BaseException | None = None
+    pool_closed: bool = False
+
+
+@dataclass(frozen=True)
+class _Ready:
+    runtime: Runtime
+    since: float
+    """``anyio.current_time()`` when it became ready."""
+
+
+def _worth_retrying(exc: BaseException) -> bool:
+    """Retry any failed creation but one that can never work (an invalid argument) and
+    cancellation."""
+    return isinstance(exc, Exception) and not isinstance(exc, SandboxInvalidArgumentError)
+
+
+class RuntimePool:
+    """``size`` sandboxes of one config kept started, each handed to one acquirer.
+
+    Use it as ``async with RuntimePool(config, size=16) as pool:``, then
+    ``async with pool.acquire() as rt:`` (or :meth:`take` and close the runtime yourself).
+
+    Args:
+        config: any runtime config (a model, a dict with ``type``, or a type name).
+        size: how many sandboxes to keep ready (0: none; each acquire creates one).
+        max_create_concurrency: how many creations may be in flight at once.
+        idle_timeout: seconds a ready sandbox may wait before it is closed (``None``:
+            never). Keep it below any lifetime the backend enforces itself (Modal's
+            ``idle_timeout`` and ``timeout``).
+        create_attempts: attempts per creation (the first included) before giving up.
+        retry_backoff: ``(first, longest)`` seconds between attempts (random exponential).
+    """
+
+    def __init__(
+        self,
+        config: RuntimeConfig | Mapping[str, Any] | str,
+        *,
+        size: int,
+        max_create_concurrency: int = DEFAULT_MAX_CREATE_CONCURRENCY,
+        idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+        create_attempts: int = DEFAULT_CREATE_ATTEMPTS,
+        retry_backoff: tuple[float, float] = DEFAULT_RETRY_BACKOFF,
+    ):
+        """Validate; nothing is created before ``async with``.
+
+        Raises:
+            RuntimeConfigError / UnknownRuntimeError / RuntimePluginError: an invalid
+                config (as :func:`~runtimes.registry.resolve_runtime_config`), or one whose
+                sandboxes cannot be pooled: ``keep=True``, or a backend that borrows an
+                existing sandbox (Docker's ``container=``), which every acquirer would share.
+            SandboxInvalidArgumentError: a size, limit, timeout or backoff out of range.
+        """
+        _check_numbers(size, max_create_concurrency, idle_timeout, create_attempts, retry_backoff)
+        self.config = resolve_runtime_config(config)
+        _check_poolable(self.config)
+        self.id = uuid.uuid4().hex[:16]
+        self.size = size
+        self.max_create_concurrency = max_create_concurrency
+        self.idle_timeout = idle_timeout
+        self.create_attempts = create_attempts
+        self.retry_backoff = retry_backoff
+        labels = {**self.config.labels, POOL: self.id}
+        self._pooled_config = self.config.model_copy(update={"labels": labels})
+        self._state: Literal["new", "open", "closed"] = "new"
+        self._stack: AsyncExitStack | None = None
+        self._group: TaskGroup | None = None
+        self._ready: collections.deque[_Ready] = collections.deque()
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._creating = 0
+        self._dormant = False
+        """Refill only for waiting acquirers (not up to ``size``) until the next acquire:
+        set when an idle sandbox expired or a creation failed for good."""
+        self._failures = 0
+        self._last_failure: BaseException | None = None
+        self._handed_out = 0
+        self._changed: anyio.Event
+        """Set (and replaced) on every change waiters may look for; made in the event loop."""
+
+    def __repr__(self) -> str:
+        return (
+            f"RuntimePool({self.config.type!r}, id={self.id}, size={self.size}, "
+            f"ready={self.ready}, creating={self.creating}, {self._state})"
+        )
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def ready(self) -> int:
+        """Sandboxes started and waiting for an acquirer."""
+        return len(self._ready)
+
+    @property
+    def creating(self) -> int:
+        """Creations in flight (never more than ``max_create_concurrency``)."""
+        return self._creating
+
+    @property
+    def waiting(self) -> int:
+        """Acquirers waiting for a sandbox."""
+        return len(self._waiters)
+
+    @property
+    def handed_out(self) -> int:
+        """Sandboxes handed to acquirers since the pool opened."""
+        return self._handed_out
+
+    @property
+    def closed(self) -> bool:
+        return self._state == "closed"
+
+    def serves(self, config: RuntimeConfig | Mapping[str, Any] | str) -> bool:
+        """Whether ``config`` (resolved) is this pool's config.
+
+        Raises:
+            RuntimeConfigError / UnknownRuntimeError / RuntimePluginError: ``config`` is invalid.
+        """
+        return resolve_runtime_config(config) == self.config
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Self:
+        """Open the pool and start filling it in the background (:meth:`wait_ready` waits).
+
+        Raises:
+            PoolClosedError: the pool was already entered (a pool opens once).
+        """
+        if self._state != "new":
+            raise PoolClosedError(f"{self._name()} was already opened; make a new pool")
+        self._changed = anyio.Event()
+        async with AsyncExitStack() as stack:
+            self._group = await stack.enter_async_context(anyio.create_task_group())
+            self._stack = stack.pop_all()
+        self._state = "open"
+        self._group.start_soon(self._expire_idle)
+        self._refill()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close every ready sandbox and cancel the creations in flight (what a cancelled
+        creation made is closed by ``Runtime.start``). Waiting acquirers get
+        :class:`PoolClosedError`; acquired sandboxes are their acquirers' to close.
+        Closing the ready sandboxes is shielded from cancellation.
+
+        Raises:
+            SandboxTransportError: some ready sandboxes could not be confirmed gone (they
+                are left to ``vf-sandbox cleanup``); every other one was still closed.
+        """
+        self._state = "closed"
+        for waiter in self._take_waiters():
+            waiter.pool_closed = True
+            waiter.done.set()
+        self._notify()
+        assert self._group is not None and self._stack is not None
+        self._group.cancel_scope.cancel()
+        try:
+            # The body's own exception is not handed to the group, or it would come out
+            # wrapped in an ExceptionGroup; the group's tasks never raise.
+            await self._stack.__aexit__(None, None, None)
+        finally:
+            with anyio.CancelScope(shield=True):
+                failures = await _close_all([entry.runtime for entry in self._ready])
+                self._ready.clear()
+        if failures:
+            raise SandboxTransportError(
+                f"{self._name()}: {len(failures)} ready sandboxes could not be confirmed "
+                f"gone; `vf-sandbox cleanup` removes them once this process has exited"
+            ) from failures[0]
+
+    # ------------------------------------------------------------------ acquiring
+
+    @asynccontextmanager
+    async def acquire(self, *, timeout: float | None = None) -> AsyncIterator[Runtime]:
+        """A started sandbox of this pool's config for the block, closed when it ends
+        (never put back); a replacement starts in the background.
+
+        An empty pool makes the caller wait for the next ready sandbox (a creation is
+        started if none is in flight for it).
+
+        Raises:
+            PoolTimeoutError: ``timeout`` seconds passed and no sandbox was ready.
+            ProvisioningError: creating a sandbox failed ``create_attempts`` times (the last
+                attempt's error chained); a later acquire tries again.
+            PoolClosedError: the pool is not open, or closed while the caller waited.
+            SandboxInvalidArgumentError: a negative ``timeout``.
+            SandboxTransportError: closing the sandbox at the end of the block failed (as
+                ``Runtime.close``).
+        """
+        runtime = await self.take(timeout=timeout)
+        try:
+            yield runtime
+        finally:
+            await runtime.close()
+
+    async def take(self, *, timeout: float | None = None) -> Runtime:
+        """A started sandbox that now belongs to the caller, who must close it (it is never
+        put back). :meth:`acquire` is this plus the close.
+
+        Raises:
+            PoolTimeoutError / ProvisioningError / PoolClosedError /
+            SandboxInvalidArgumentError: as :meth:`acquire`.
+        """
+        if timeout is not None and not timeout >= 0:
+            raise SandboxInvalidArgumentError(f"timeout must be >= 0, got {timeout}")
+        self._check_open()
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        self._dormant = False  # used again: keep it full
+        if self._ready:
+            runtime = self._ready.popleft().runtime  # the oldest: the nearest to expiring
+            self._handed_out += 1
+            self._refill()
+            return runtime  # no checkpoint between taking it and returning it
+        return await self._wait_for_one(timeout)
+
+    async def _wait_for_one(self, timeout: float | None) -> Runtime:
+        waiter = _Waiter()
+        self._waiters.append(waiter)
+        self._refill()
+        try:
+            with anyio.move_on_after(math.inf if timeout is None else timeout):
+                await waiter.done.wait()
+        except BaseException:  # cancelled: a sandbox handed over meanwhile was never used
+            await self._withdraw(waiter)
+            raise
+        if not waiter.done.is_set():
+            await self._withdraw(waiter)
+            raise PoolTimeoutError(
+                f"{self._name()}: no sandbox was ready within {timeout}s "
+                f"({self._creating} creations in flight)"
+            )
+        if waiter.runtime is not None:
+            self._handed_out += 1
+            return waiter.runtime
+        if waiter.pool_closed:
+            raise PoolClosedError(f"{self._name()} was closed while waiting for a sandbox")
+        raise self._provisioning_error(waiter.failure)
+
+    async def _withdraw(self, waiter: _Waiter) -> None:
+        """An acquirer stopped waiting: forget it, and put back (or, in a closed pool,
+        close) a sandbox that was handed to it but never reached it."""
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+        runtime, waiter.runtime = waiter.runtime, None
+        if runtime is None:
+            return
+        if self._state == "open":
+            self._stock(runtime)
+        else:
+            await _close_all([runtime])
+
+    async def wait_ready(self, count: int | None = None) -> None:
+        """Wait until ``count`` (default: ``size``) sandboxes are ready; refills a pool
+        that went dormant (idle expiry, a failed creation).
+
+        Raises:
+            ProvisioningError: a creation failed ``create_attempts`` times meanwhile.
+            PoolClosedError: the pool is not open, or closed meanwhile.
+            SandboxInvalidArgumentError: ``count`` is negative or above ``size``.
+        """
+        want = self.size if count is None else count
+        if not 0 <= want <= self.size:
+            raise SandboxInvalidArgumentError(
+                f"count must be between 0 and the pool's size {self.size}, got {count}"
+            )
+        self._check_open()
+        self._dormant = False
+        self._refill()
+        failures = self._failures
+        while len(self._ready) < want:
+            if self._state != "open":
+                raise PoolClosedError(f"{self._name()} was closed while filling")
+            if self._failures != failures:
+                raise self._provisioning_error(self._last_failure)
+            changed = self._changed
+            await changed.wait()
+
+    # ------------------------------------------------------------------ filling
+
+    def _refill(self) -> None:
+        """Start creations until ``size`` (none while dormant) plus one per waiting
+        acquirer are ready or in flight, never more than ``max_create_concurrency``."""
+        if self._state != "open" or self._group is None:
+            return
+        wanted = len(self._waiters) + (0 if self._dormant else self.size)
+        missing = wanted - len(self._ready) - self._creating
+        room = self.max_create_concurrency - self._creating
+        for _ in range(max(0, min(missing, room))):
+            self._creating += 1
+            self._group.start_soon(self._create_one)
+
+    async def _create_one(self) -> None:
+        """One creation (retried); never raises but cancellation, which ``Runtime.start``
+        survives without leaking."""
+        try:
+            runtime = await self._start_with_retries()
+        except Exception as exc:  # noqa: BLE001 - handed to the waiters, typed, chained
+            self._creating -= 1
+            self._give_up(exc)
+            return
+        except BaseException:
+            self._creating -= 1
+            raise
+        self._creating -= 1
+        self._deliver(runtime)
+        self._refill()
+
+    async def _start_with_retries(self) -> Runtime:
+        first, longest = self.retry_backoff
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(_worth_retrying),
+            stop=stop_after_attempt(self.create_attempts),
+            wait=wait_random_exponential(multiplier=first, max=longest),
+            sleep=anyio.sleep,
+            before_sleep=self._log_retry,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                runtime = open_runtime(self._pooled_config)
+                await runtime.start()  # closes what it made if it fails or is cancelled
+                return runtime
+        raise AssertionError("unreachable: tenacity reraises")
+
+    def _log_retry(self, state: RetryCallState) -> None:
+        failure = state.outcome.exception() if state.outcome is not None else None
+        log.info(
+            "%s: creating a sandbox failed (attempt %d of %d), retrying: %s",
+            self._name(),
+            state.attempt_number,
+            self.create_attempts,
+            failure,
+        )
+
+    def _deliver(self, runtime: Runtime) -> None:
+        """A new sandbox: to the first waiting acquirer, else to the stock."""
+        if self._waiters:
+            waiter = self._waiters.popleft()
+            waiter.runtime = runtime
+            waiter.done.set()
+            return
+        self._stock(runtime)
+
+    def _stock(self, runtime: Runtime) -> None:
+        self._ready.append(_Ready(runtime, anyio.current_time()))
+        self._notify()
+
+    def _give_up(self, failure: BaseException) -> None:
+        """A creation failed for good: every waiting acquirer gets it, and the pool stops
+        refilling until the next acquire (a broken image must not be retried forever)."""
+        self._failures += 1
+        self._last_failure = failure
+        self._dormant = True
+        waiters = self._take_waiters()
+        for waiter in waiters:
+            waiter.failure = failure
+            waiter.done.set()
+        self._notify()
+        log.warning(
+            "%s: could not create a sandbox in %d attempts (%s acquirers told): %s; "
+            "the pool tries again at the next acquire",
+            self._name(),
+            self.create_attempts,
+            len(waiters),
+            failure,
+        )
+
+    # ------------------------------------------------------------------ expiry
+
+    async def _expire_idle(self) -> None:
+        """Close ready sandboxes older than ``idle_timeout``; the pool then goes dormant."""
+        if self.idle_timeout is None:
+            return
+        while True:
+            if not self._ready:
+                changed = self._changed
+                await changed.wait()
+                continue
+            await anyio.sleep_until(self._ready[0].since + self.idle_timeout)
+            self._expire(anyio.current_time() - self.idle_timeout)
+
+    def _expire(self, born_before: float) -> None:
+        expired = [entry for entry in self._ready if entry.since <= born_before]
+        if not expired:
+            return
+        self._ready = collections.deque(e for e in self._ready if e.since > born_before)
+        self._dormant = True
+        assert self._group is not None
+        for entry in expired:
+            self._group.start_soon(self._discard_idle, entry.runtime)
+        self._notify()
+
+    async def _discard_idle(self, runtime: Runtime) -> None:
+        try:
+            await runtime.close()
+        except Exception as exc:  # noqa: BLE001 - logged: no caller to raise it to
+            log.warning(
+                "%s: closing the idle %s failed: %s; `vf-sandbox cleanup` removes it once "
+                "this process has exited",
+                self._name(),
+                runtime.describe(),
+                exc,
+            )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _take_waiters(self) -> list[_Waiter]:
+        waiters = list(self._waiters)
+        self._waiters.clear()
+        return waiters
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            what = "was never opened (use `async with`)" if self._state == "new" else "is closed"
+            raise PoolClosedError(f"{self._name()} {what}")
+
+    def _provisioning_error(self, failure: BaseException | None) -> ProvisioningError:
+        error = ProvisioningError(
+            f"{self._name()}: could not create a sandbox in {self.create_attempts} "
+            f"attempts: {failure}"
+        )
+        error.__cause__ = failure
+        return error
+
+    def _name(self) -> str:
+        return f"{self.config.type} pool {self.id}"
+
+
+def _check_numbers(
+    size: int,
+    max_create_concurrency: int,
+    idle_timeout: float | None,
+    create_attempts: int,
+    retry_backoff: tuple[float, float],
+) -> None:
+    problems = []
+    if size < 0:
+        problems.append(f"size must be >= 0, got {size}")
+    if max_create_concurrency < 1:
+        problems.append(f"max_create_concurrency must be >= 1, got {max_create_concurrency}")
+    if idle_timeout is not None and not idle_timeout > 0:
+        problems.append(f"idle_timeout must be > 0 or None, got {idle_timeout}")
+    if create_attempts < 1:
+        problems.append(f"create_attempts must be >= 1, got {create_attempts}")
+    first, longest = retry_backoff
+    if not 0 <= first <= longest:
+        problems.append(
+            f"retry_backoff must be (first, longest), 0 <= first <= longest, got {retry_backoff}"
+        )
+    if problems:
+        raise SandboxInvalidArgumentError("; ".join(problems))
+
+
+def _check_poolable(config: RuntimeConfig) -> None:
+    if config.keep:
+        raise RuntimeConfigError(
+            "a pool closes the sandboxes it does not hand out: keep=True cannot be pooled"
+        )
+    if open_runtime(config)._keeps_sandbox():  # an unstarted runtime: nothing is made
+        raise RuntimeConfigError(
+            f"this {config.type} config borrows one existing sandbox (attach mode): "
+            "every acquirer of a pool would share it"
+        )
+
+
+async def _close_all(runtimes: Sequence[Runtime]) -> list[Exception]:
+    """Close ``runtimes`` concurrently; the errors of those that failed."""
+    failures: list[Exception] = []
+
+    async def close(runtime: Runtime) -> None:
+        try:
+            await runtime.close()
+        except Exception as exc:  # noqa: BLE001 - every one is closed; the first is raised
+            failures.append(exc)
+
+    async with anyio.create_task_group() as group:
+        for runtime in runtimes:
+            group.start_soon(close, runtime)
+    return failures
+
+
+# ---------------------------------------------------------------------- finding a pool
+
+
+def pool_for(
+    pools: Sequence[RuntimePool] | None, config: RuntimeConfig | Mapping[str, Any] | str
+) -> RuntimePool | None:
+    """The first of ``pools`` whose config is ``config`` (resolved), or ``None``.
+
+    Raises:
+        RuntimeConfigError / UnknownRuntimeError / RuntimePluginError: ``config`` is invalid.
+    """
+    if not pools:
+        return None
+    resolved = resolve_runtime_config(config)
+    return next((pool for pool in pools if pool.config == resolved), None)
+
+
+def open_pooled(
+    config: RuntimeConfig | Mapping[str, Any] | str, pools: Sequence[RuntimePool] | None
+) -> AbstractAsyncContextManager[Runtime]:
+    """``async with open_pooled(config, pools) as rt``: a sandbox acquired from the pool
+    serving ``config`` when one does (:func:`pool_for`), else a fresh
+    ``open_runtime(config)``; closed when the block ends, either way.
+
+    Raises:
+        RuntimeConfigError / UnknownRuntimeError / RuntimePluginError: ``config`` is invalid.
+        On entering, what :meth:`RuntimePool.acquire` or ``Runtime.start`` raises.
+    """
+    pool = pool_for(pools, config)
+    return pool.acquire() if pool is not None else open_runtime(config)
