@@ -55,6 +55,18 @@ async def _processes_matching(rt: Runtime, token: str) -> list[str]:
     return [line for line in result.stdout.splitlines() if token in line and "ps -eo" not in line]
 
 
+async def _wait_for_processes(rt: Runtime, token: str, count: int) -> list[str]:
+    """Poll briefly: a process shows its argv only once it has exec'd, and ps prints an
+    empty command line for one caught in the middle of an ``execve``."""
+    seen: list[str] = []
+    for _ in range(40):
+        seen = await _processes_matching(rt, token)
+        if len(seen) >= count:
+            return seen
+        await anyio.sleep(0.05)
+    raise AssertionError(f"expected {count} processes with {token}, saw {seen}")
+
+
 async def _assert_no_process(rt: Runtime, token: str) -> None:
     """Poll briefly: the kill is sent before the error is raised, reaping may lag."""
     left: list[str] = []

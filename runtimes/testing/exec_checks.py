@@ -27,6 +27,7 @@ from .checks import (
     _raises,
     _scratch,
     _token,
+    _wait_for_processes,
     check,
 )
 
@@ -189,6 +190,8 @@ async def check_background_process_keeps_running(rt: Runtime) -> None:
         ["sh", "-c", f"nohup sleep {token} >/dev/null 2>&1 </dev/null & echo ok"], timeout=20
     )
     assert result.stdout == "ok\n", result
+    await _wait_for_processes(rt, token, 1)
+    await anyio.sleep(0.2)
     assert await _processes_matching(rt, token), "the background process should still run"
     await rt.exec(["pkill", "-f", f"sleep {token}"])
 
@@ -199,7 +202,7 @@ async def check_stop_processes(rt: Runtime) -> None:
     token = _token()
     await rt.exec(["sh", "-c", f"nohup sleep {token} >/dev/null 2>&1 </dev/null &"], timeout=20)
     await rt.exec(["sh", "-c", f"(setsid sleep {token} >/dev/null 2>&1 </dev/null &)"], timeout=20)
-    assert len(await _processes_matching(rt, token)) == 2
+    assert len(await _wait_for_processes(rt, token, 2)) == 2
     assert await rt.stop_processes() >= 2
     await _assert_no_process(rt, token)
     assert (await rt.exec(["echo", "usable"])).stdout == "usable\n"

@@ -11,7 +11,7 @@ from ..base import Runtime
 from ..errors import ExecTimeoutError, OutputLimitExceededError, ShellSessionError
 from ..models import MiB
 from ..shell import ShellSession
-from .checks import _assert_no_process, _processes_matching, _raises, _scratch, _token, check
+from .checks import _assert_no_process, _raises, _scratch, _token, _wait_for_processes, check
 
 # Seconds a command interrupted by its timeout may take beyond that timeout: SIGINT ends
 # `sleep` at once, so this only absorbs a loaded machine, never the SIGKILL grace.
@@ -26,17 +26,6 @@ async def _cwd(sh: ShellSession) -> str:
     result = await sh.run("pwd", timeout=30)
     assert result.exit_code == 0, result
     return result.stdout.strip()
-
-
-async def _wait_for_processes(rt: Runtime, token: str, count: int) -> None:
-    """Poll briefly: a background job shows its own argv only once it has exec'd."""
-    seen: list[str] = []
-    for _ in range(40):
-        seen = await _processes_matching(rt, token)
-        if len(seen) >= count:
-            return
-        await anyio.sleep(0.05)
-    raise AssertionError(f"expected {count} processes with {token}, saw {seen}")
 
 
 @check
