@@ -1,6 +1,6 @@
 """Warm pools on Docker (``python -m benchmarks --sections pool``).
 
-Two measurements, each beside its no-pool baseline in the same run:
+Three measurements, each beside its baseline in the same run:
 
 * acquire latency: entering ``pool.acquire()`` on a warm pool of ``SIZE`` (every sample is
   taken with the pool full and no creation in flight), interleaved sample by sample with
@@ -10,7 +10,11 @@ Two measurements, each beside its no-pool baseline in the same run:
   a pool of ``SIZE`` and through ``open_runtime`` alone, in the order no pool, pool, pool,
   no pool (so that drift in the machine's load falls on both). The sustained rate counts
   only the cycles after the first ``SIZE``, which the pool's warm stock serves: from there
-  the pool can only be as fast as it refills.
+  the pool can only be as fast as it refills. A run ends when the background removals of its
+  sandboxes are done too (``drain_removals``): the rate includes every removal;
+* close latency: ``close()`` of a started sandbox (channel up, one exec done) on the caller's
+  path, interleaved with the Docker SDK's ``remove(force=True)`` of a container started the
+  same way, and the time the background removal then takes (``drain_removals``).
 
 Creation pacing (``creations_per_second``) is off for both.
 """
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from runtimes import open_runtime
+from runtimes import drain_removals, open_runtime
 from runtimes.base import Runtime
 from runtimes.docker import DockerConfig
 from runtimes.pool import DEFAULT_MAX_CREATE_CONCURRENCY, POOL, RuntimePool
@@ -36,6 +40,7 @@ SIZE = 16
 EXECS = 10
 TARGET_ACQUIRE_MS = 5.0
 TARGET_RATE = 3.0
+TARGET_CLOSE_MS = 10.0
 
 Opener = Callable[[], AbstractAsyncContextManager[Runtime]]
 
@@ -48,10 +53,12 @@ class Cycles:
     workers: int
     started: float
     finished: list[float]
+    drained: float
 
     @property
     def seconds(self) -> float:
-        return self.finished[-1] - self.started
+        """From the start to the last background removal done."""
+        return self.drained - self.started
 
     @property
     def rate(self) -> float:
@@ -59,9 +66,9 @@ class Cycles:
 
     @property
     def sustained(self) -> float:
-        """Cycles per second after the first ``SIZE`` finished."""
+        """Cycles per second after the first ``SIZE`` finished, up to the last removal."""
         later = self.finished[SIZE - 1 :]
-        span = later[-1] - later[0]
+        span = self.drained - later[0]
         return (len(later) - 1) / span if len(later) > 1 and span > 0 else 0.0
 
 
@@ -88,6 +95,39 @@ async def acquire_latency(config: DockerConfig, n: int) -> tuple[Series, Series]
     return pooled, fresh
 
 
+async def close_latency(env: Environment, config: DockerConfig, n: int) -> tuple[Series, ...]:
+    """``close()`` on the caller's path and its background removal, vs the SDK's
+    ``remove(force=True)`` of a container started alike, interleaved."""
+    closing = Series("close()")
+    removal = Series("close() + drain_removals()")
+    baseline = Series("SDK container.remove(force=True)")
+    for index in range(n + 1):  # the first round warms caches up
+        rt = open_runtime(config)
+        await rt.start()
+        assert (await rt.exec(["true"])).exit_code == 0
+        begun = time.perf_counter()
+        await rt.close()
+        closed = time.perf_counter()
+        await drain_removals()
+        drained = time.perf_counter()
+        removed = await anyio.to_thread.run_sync(_sdk_remove_seconds, env, config.image)
+        if index:
+            closing.samples.append(closed - begun)
+            removal.samples.append(drained - begun)
+            baseline.samples.append(removed)
+    return closing, removal, baseline
+
+
+def _sdk_remove_seconds(env: Environment, image: str) -> float:
+    container = env.client.containers.run(
+        image, ["sleep", "infinity"], detach=True, labels={"vf-sandbox.benchmark": "pool"}
+    )
+    container.exec_run(["true"])
+    begun = time.perf_counter()
+    container.remove(force=True)
+    return time.perf_counter() - begun
+
+
 async def run_cycles(name: str, open_one: Opener, total: int, workers: int) -> Cycles:
     """``workers`` loops of (get a sandbox, ``EXECS`` x ``true``, close) until ``total``."""
     claimed = 0
@@ -103,11 +143,13 @@ async def run_cycles(name: str, open_one: Opener, total: int, workers: int) -> C
                     assert result.exit_code == 0, result
             finished.append(time.perf_counter())
 
+    await drain_removals()  # nothing of an earlier run left to remove on this run's clock
     started = time.perf_counter()
     async with anyio.create_task_group() as group:
         for _ in range(workers):
             group.start_soon(worker)
-    return Cycles(name, workers, started, finished)
+    await drain_removals()
+    return Cycles(name, workers, started, finished, time.perf_counter())
 
 
 async def pooled_cycles(config: DockerConfig, total: int, workers: int, ids: list[str]) -> Cycles:
@@ -137,6 +179,23 @@ async def pool_section(env: Environment) -> tuple[str, list[Row]]:
         f"median <= {TARGET_ACQUIRE_MS:g} ms",
         pooled.median_ms <= TARGET_ACQUIRE_MS,
     )
+    closing, removal, removed = await close_latency(env, config, n)
+    close_row = Row(
+        "close() on the caller's path",
+        closing,
+        "SDK container.remove(force=True)",
+        removed,
+        f"median <= {TARGET_CLOSE_MS:g} ms",
+        closing.median_ms <= TARGET_CLOSE_MS,
+    )
+    drain_row = Row(
+        "close() + drain_removals()",
+        removal,
+        "SDK container.remove(force=True)",
+        removed,
+        "-",
+        None,
+    )
     ids: list[str] = []
     rows: list[list[str]] = []
     for workers in options.pool_workers:
@@ -160,10 +219,17 @@ async def pool_section(env: Environment) -> tuple[str, list[Row]]:
         f"on a pool of {SIZE} kept full (each sample taken with no creation in flight), vs "
         "`open_runtime(config).start()`, what a caller without a pool waits for.\n\n"
         + rows_table([latency], tail=0.9)
+        + f"\n\nClose latency (n={n}, interleaved): `close()` of a started sandbox (channel up, "
+        "one exec done) returns once the container is paused; its removal runs in the "
+        "background (`runtimes.reaper`), measured here to its end with `drain_removals()`; "
+        "the baseline is the SDK's `remove(force=True)` of a container started with "
+        "`containers.run` and one `exec_run`.\n\n"
+        + rows_table([close_row, drain_row], tail=0.9)
         + f"\n\nCycle rate: {counts} concurrent workers loop (get a sandbox, {EXECS} x "
         f"`exec(['true'])`, close it) for {total} cycles in all, without a pool and through "
         f"a pool of {SIZE} (max_create_concurrency {DEFAULT_MAX_CREATE_CONCURRENCY}, filled "
-        "before the clock starts), run in the order no pool, pool, pool, no pool for each "
+        "before the clock starts; a run ends when the last background removal is done), run "
+        "in the order no pool, pool, pool, no pool for each "
         "worker count; rates are means of the two runs. The sustained rate counts only the "
         f"cycles after the first {SIZE}, which the warm stock serves; from there a pool is as "
         "fast as it refills, and every cycle still creates and removes one container, in the "
@@ -171,7 +237,7 @@ async def pool_section(env: Environment) -> tuple[str, list[Row]]:
         "it adds no creation capacity to the engine. Containers of the pools left "
         f"afterwards: {left}.\n\n" + table(headers, rows)
     )
-    return text, [latency]
+    return text, [latency, close_row]
 
 
 async def _rate_rows(
@@ -211,4 +277,4 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-__all__ = ["Cycles", "acquire_latency", "pool_section", "run_cycles"]
+__all__ = ["Cycles", "acquire_latency", "close_latency", "pool_section", "run_cycles"]

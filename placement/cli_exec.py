@@ -8,7 +8,6 @@ docs/cli.md). Ctrl-C cancels the run: the sandbox is closed (removed) before exi
 from __future__ import annotations
 
 import argparse
-import posixpath
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ from runtimes import (
     SandboxResourceError,
     open_runtime,
 )
+from runtimes.errors import names_the_program
 from runtimes.models import Stream
 
 T = TypeVar("T")
@@ -96,21 +96,6 @@ async def run_interruptible(body: Callable[[], Awaitable[T]]) -> T:
     if failure is not None:
         raise failure
     return outcome[0]
-
-
-def names_the_program(
-    exc: SandboxFileNotFoundError | SandboxPermissionError,
-    argv: list[str],
-    cwd: str | None,
-    workdir: str,
-) -> bool:
-    """Whether the error is about ``argv[0]`` rather than ``--cwd`` (both raise the same
-    class; the filename tells them apart)."""
-    if exc.filename != argv[0]:
-        return False
-    if cwd is None:
-        return True
-    return exc.filename not in (cwd, posixpath.normpath(posixpath.join(workdir, cwd)))
 
 
 async def exec_in_fresh_sandbox(

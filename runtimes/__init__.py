@@ -29,9 +29,11 @@ from .errors import (
     SandboxUserRefusedError,
     ShellSessionError,
     UnsafeArchiveMemberError,
+    names_the_program,
 )
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
 from .pool import PoolClosedError, PoolTimeoutError, RuntimePool
+from .reaper import drain_removals, drain_removals_blocking
 from .registry import (
     RuntimePluginError,
     UnknownRuntimeError,
@@ -94,8 +96,11 @@ __all__ = [
     "UnsafeArchiveMemberError",
     "available_runtimes",
     "cleanup_sandboxes",
+    "drain_removals",
+    "drain_removals_blocking",
     "live_runtimes",
     "load_runtime_class",
+    "names_the_program",
     "open_runtime",
     "open_runtime_sync",
     "remove_snapshot",

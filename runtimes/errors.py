@@ -15,6 +15,9 @@ The three errors callers most need to tell apart are never conflated:
 from __future__ import annotations
 
 import errno as _errno
+import os
+import posixpath
+from collections.abc import Sequence
 from typing import ClassVar
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "argument_list_too_long",
     "cannot_run_as",
     "error_for_errno",
+    "names_the_program",
     "no_such_user",
 ]
 
@@ -69,8 +73,6 @@ class _SandboxOSError(SandboxError, OSError):
 
 
 def _errno_message(num: int) -> str:
-    import os
-
     return os.strerror(num) if num else "error"
 
 
@@ -390,6 +392,26 @@ def no_such_user(user: str | None, detail: str | None = None) -> SandboxUserNotF
 def cannot_run_as(program: str, user: str | None, reason: str) -> SandboxUserRefusedError:
     """``exec(user=...)`` cannot switch to ``user`` here; ``reason`` says why."""
     return SandboxUserRefusedError(program, f"cannot run as user {user!r}: {reason}")
+
+
+def names_the_program(
+    exc: SandboxFileNotFoundError | SandboxPermissionError,
+    argv: Sequence[str],
+    cwd: str | os.PathLike[str] | None,
+    workdir: str,
+) -> bool:
+    """Whether ``exc``, raised by ``exec(argv, cwd=cwd)`` in a sandbox whose workdir is
+    ``workdir``, is about the program ``argv[0]`` rather than the working directory.
+
+    Both raise the same classes; only the filename tells them apart: the program's error
+    names ``argv[0]`` exactly as given, the working directory's names it resolved against
+    the workdir (``None``: the workdir itself). Basenames cannot: a missing cwd ``sub/ls``
+    and a program ``ls`` share one.
+    """
+    if exc.filename != argv[0]:
+        return False
+    where = workdir if cwd is None else posixpath.join(workdir, os.fspath(cwd))
+    return exc.filename not in (where, posixpath.normpath(where))
 
 
 def _short_argv(argv: list[str], limit: int = 120) -> str:

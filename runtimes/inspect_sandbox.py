@@ -22,6 +22,7 @@ import logging
 import os
 import shlex
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -41,6 +42,7 @@ from inspect_ai.util._sandbox.environment import SandboxUserUnsupportedError
 from pydantic import BaseModel
 from typing_extensions import override
 
+from . import ownership
 from .base import Runtime
 from .cleanup import SweepResult, cleanup_sandboxes
 from .config import RuntimeConfig, RuntimeConfigError
@@ -56,19 +58,19 @@ from .errors import (
     SandboxUnavailableError,
     SandboxUserNotFoundError,
     SandboxUserRefusedError,
+    names_the_program,
 )
 from .keep import find_sandbox
 from .models import Stream
-from .ownership import LABEL_PREFIX
 from .registry import open_runtime, resolve_runtime_config
 
 __all__ = ["INSPECT_LABEL", "TASK_LABEL", "VfSandboxEnvironment", "load_config"]
 
 log = logging.getLogger("runtimes.inspect_sandbox")
 
-INSPECT_LABEL = LABEL_PREFIX + "inspect"
+INSPECT_LABEL = ownership.LABEL_PREFIX + "inspect"
 """Carried (``"true"``) by every sandbox this provider creates: what ``cli_cleanup`` sweeps."""
-TASK_LABEL = LABEL_PREFIX + "inspect-task"
+TASK_LABEL = ownership.LABEL_PREFIX + "inspect-task"
 """The inspect task a sandbox was created for."""
 
 CONFIG_FILES = ("vf-sandbox.yaml", "vf-sandbox.yml", "vf-sandbox.json")
@@ -247,13 +249,21 @@ class VfSandboxEnvironment(SandboxEnvironment):
     async def cli_cleanup(cls, id: str | None) -> None:
         """``inspect sandbox cleanup vf [ID]``: remove sandbox ``ID`` (its id or a unique
         prefix, on any backend's default place), or every sandbox this provider created
-        whose eval process has ended (sandboxes of running evals are spared)."""
+        whose eval process has ended, kept ones included (sandboxes of running evals are
+        spared, kept or not).
+
+        Raises:
+            SandboxUnavailableError: no sandbox ``ID``.
+            SandboxInvalidArgumentError: ``ID`` is empty or the prefix of several ids.
+            SandboxError: the backend failed to remove sandbox ``ID`` (a sweep without an
+                id reports each failure as a ``failed`` line instead).
+        """
         if id is not None:
             backend, config, info = await find_sandbox(id)
             await backend.destroy_sandbox(info, config)
             print(f"removed {backend.name} sandbox {info.id}")
             return
-        results = await cleanup_sandboxes(match={INSPECT_LABEL: "true"}, kept=True)
+        results = await _sweep_ended_evals()
         for result in results:
             print(_sweep_line(result))
         if not results:
@@ -306,7 +316,7 @@ class VfSandboxEnvironment(SandboxEnvironment):
                 SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR, capture.text(exc.stream)
             ) from None
         except SandboxFileNotFoundError as exc:  # inspect: a missing program is a result
-            missing_program = os.path.basename(str(exc.filename)) == os.path.basename(cmd[0])
+            missing_program = names_the_program(exc, cmd, cwd, self._runtime.workdir)
             return _failed(127 if missing_program else 126, capture, str(exc))
         except SandboxUserNotFoundError as exc:
             return _failed(126, capture, str(exc))
@@ -451,6 +461,54 @@ def _max_subprocesses() -> int:
         return max_subprocesses_context_var.get()
     except (ImportError, LookupError):
         return max(1, len(os.sched_getaffinity(0)))
+
+
+_MADE_HERE = {INSPECT_LABEL: "true"}
+_SWEPT_AS_KEPT = "kept, --kept"  # cleanup_sandboxes' reason for kept=True
+
+
+async def _sweep_ended_evals() -> list[SweepResult]:
+    """Remove every sandbox (and snapshot) this provider created whose eval process has
+    ended, on every backend's default place; spare those of running evals.
+
+    ``keep=True`` in a task's config keeps a sandbox past its sample for the user to look
+    at once the eval is over, as ``--no-sandbox-cleanup`` does (whose sandboxes lack the keep
+    label: the first pass takes them once their eval ended), not past this sweep.
+    ``cleanup_sandboxes(kept=True)`` would also take the kept sandboxes of running evals,
+    so those of an ended eval go in a second pass confined to that eval's session: a
+    session id is never reused, so once dead it stays dead.
+    """
+    first = await cleanup_sandboxes(match=_MADE_HERE)
+    ended = sorted({_session_of(result) for result in first if _spared_only_as_kept(result)})
+    results = [r for r in first if r.action == "removed" or _session_of(r) not in ended]
+    for backend, session in ended:
+        swept = await cleanup_sandboxes(
+            [backend], match={**_MADE_HERE, ownership.SESSION: session}, kept=True
+        )
+        results += [_as_ended_eval(result) for result in swept]
+    return results
+
+
+def _session_of(result: SweepResult) -> tuple[str, str]:
+    return result.info.backend, result.info.labels.get(ownership.SESSION, "")
+
+
+def _spared_only_as_kept(result: SweepResult) -> bool:
+    """Whether a sweep spared a sandbox for its keep label although its eval has ended."""
+    labels = result.info.labels
+    return (
+        result.action == "kept"
+        and ownership.is_kept(labels)
+        and bool(labels.get(ownership.SESSION))
+        and ownership.session_is_dead(labels) is True
+    )
+
+
+def _as_ended_eval(result: SweepResult) -> SweepResult:
+    if not ownership.is_kept(result.info.labels):
+        return result
+    reason = result.reason.replace(_SWEPT_AS_KEPT, "kept (keep=True), its eval has ended", 1)
+    return replace(result, reason=reason)
 
 
 def _sweep_line(result: SweepResult) -> str:

@@ -13,6 +13,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from . import reaper
+
 if TYPE_CHECKING:
     from .base import Runtime
 
@@ -59,6 +61,7 @@ def _close_leftovers() -> None:
             runtime._close_at_exit()
         except Exception:
             log.warning("atexit: could not close %s", runtime.describe(), exc_info=True)
+    reaper.drain_at_exit()  # what those closes (and earlier ones) queued for removal
 
 
 def _register_backstop_last() -> None:

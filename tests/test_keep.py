@@ -27,6 +27,7 @@ from runtimes.cleanup import cleanup_sandboxes
 from runtimes.docker import DockerRuntime
 from runtimes.keep import find_sandbox, runtime_argument
 from runtimes.models import SandboxInfo
+from runtimes.reaper import drain_removals
 from runtimes.ssh import SSHRuntime
 from runtimes.subprocess import SubprocessRuntime
 from tests.modal.fake_modal import FakeModalService
@@ -271,6 +272,7 @@ async def test_docker_keep_leaves_the_container_running_until_cleanup_kept(
 async def test_docker_without_keep_still_vanishes() -> None:
     async with open_runtime({"type": "docker"}) as rt:
         container_id = rt.sandbox_id
+    await drain_removals()
     assert container_id is not None and container_state(container_id) is None
 
 

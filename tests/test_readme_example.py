@@ -21,6 +21,7 @@ import pytest
 
 from runtimes import ownership
 from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+from runtimes.reaper import drain_removals_blocking
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -112,6 +113,7 @@ def test_example_runs_on_docker(
     try:
         before = {c.id for c in client.containers.list(all=True, filters=label)}
         anyio.run(namespace["main"], config)
+        drain_removals_blocking()  # close() returned once the container was frozen
         left = [c for c in client.containers.list(all=True, filters=label) if c.id not in before]
         for container in left:
             container.remove(force=True)

@@ -181,6 +181,27 @@ async def _blocking(
     return await retrying(once)
 
 
+def retried_in_this_thread(fn: Callable[[], T], config: DockerConfig) -> T:
+    """An idempotent blocking SDK call made here (a worker thread of our own), with the
+    same transport guard and bounded retries as :func:`_blocking`.
+
+    Raises:
+        SandboxTransportError: the engine did not answer (after retries).
+    """
+    guarded = _transport_guard(fn, _engine_name(config))
+    if config.retries == 0:
+        return guarded()
+    from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+    retrying = Retrying(
+        retry=retry_if_exception_type(SandboxTransportError),
+        stop=stop_after_attempt(config.retries + 1),
+        wait=wait_exponential(multiplier=0.1, max=2.0),
+        reraise=True,
+    )
+    return retrying(guarded)
+
+
 def _api_message(exc: docker.errors.APIError) -> str:
     return str(exc.explanation or exc)
 
@@ -326,6 +347,28 @@ def remove_container_blocking(api: Any, container_id: str, describe: str) -> Non
     except docker.errors.APIError as exc:
         if "already in progress" not in _api_message(exc):
             raise SandboxError(f"could not remove {describe}: {_api_message(exc)}") from exc
+
+
+def freeze_container_blocking(api: Any, container_id: str, describe: str) -> bool:
+    """Pause a container so that nothing in it runs any more; ``False`` if it is gone.
+
+    A container that stopped already (or is paused) is as inert as a paused one.
+
+    Raises:
+        SandboxError: the engine could not pause a running container.
+    """
+    import docker.errors
+
+    try:
+        api.pause(container_id)
+    except docker.errors.NotFound:
+        return False
+    except docker.errors.APIError as exc:
+        message = _api_message(exc).lower()
+        if _status(exc) == 409 and ("not running" in message or "already paused" in message):
+            return True
+        raise SandboxError(f"could not pause {describe}: {_api_message(exc)}") from exc
+    return True
 
 
 def list_labelled_blocking(api: Any, backend: str) -> list[SandboxInfo]:

@@ -46,6 +46,7 @@ from ..errors import (
 )
 from ..limits import creation_rate
 from ..models import ExecRequest, OutputSink, SandboxInfo
+from ..reaper import remove_in_background, wait_for_removals, wait_for_removals_blocking
 from ..routes import HostRoute, RouteKind
 from ..scripts import load
 from ..snapshot import UNTRUSTED, SandboxSnapshot
@@ -62,11 +63,13 @@ from .client import (
     _engine_name,
     changed_paths,
     check_running,
+    freeze_container_blocking,
     inspect_container,
     is_running,
     kill_as_root,
     list_labelled_blocking,
     remove_container_blocking,
+    retried_in_this_thread,
 )
 from .config import DEFAULT_WORKDIR, DockerConfig
 from .container import (
@@ -307,8 +310,27 @@ class DockerRuntime(Runtime):
         return self._owned and not self._keep and self._container_id is not None
 
     async def _close(self) -> None:
-        if self._removes_container() and self._client is not None:
+        """Freeze the container on the caller's path and remove it in the background
+        (:mod:`runtimes.reaper`); a container the engine cannot freeze is removed here."""
+        if not (self._removes_container() and self._client is not None):
+            return
+        try:
+            present = await _blocking(self._freeze_blocking, self.config, idempotent=True)
+        except SandboxTransportError:
+            raise
+        except SandboxError as exc:
+            log.info("%s; removing it now instead", exc)
             await _blocking(self._remove_blocking, self.config, idempotent=True)
+            return
+        if present:
+            remove_in_background(
+                self.describe(), lambda: retried_in_this_thread(self._remove_blocking, self.config)
+            )
+
+    def _freeze_blocking(self) -> bool:
+        return freeze_container_blocking(
+            self._require_client().api, self._require_id(), self.describe()
+        )
 
     def _remove_blocking(self) -> None:
         remove_container_blocking(self._require_client().api, self._require_id(), self.describe())
@@ -753,6 +775,7 @@ class DockerRuntime(Runtime):
             SandboxTransportError: the engine did not answer (after retries).
         """
         cfg = config if isinstance(config, DockerConfig) else DockerConfig()
+        await wait_for_removals()  # forks closed just before may still hold the image
         await _blocking(
             lambda: remove_snapshot_image_blocking(_client_for(cfg).api, snapshot),
             cfg,
@@ -764,6 +787,7 @@ class DockerRuntime(Runtime):
         cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None
     ) -> None:
         cfg = config if isinstance(config, DockerConfig) else DockerConfig()
+        wait_for_removals_blocking()
         remove_snapshot_image_blocking(_client_for(cfg).api, snapshot)
 
     # ------------------------------------------------------------------ sweeping

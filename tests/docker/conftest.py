@@ -13,6 +13,7 @@ import pytest
 
 from runtimes import ownership
 from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+from runtimes.reaper import drain_removals_blocking
 
 IMAGE = DOCKER_TEST_IMAGE
 
@@ -55,6 +56,7 @@ def no_leaks(docker_client: object) -> Iterator[None]:
     """Fail the test if it leaves a container of this session behind (and remove those)."""
     before = {c.id for c in session_containers(docker_client)}  # type: ignore[attr-defined]
     yield
+    drain_removals_blocking()  # close() returns before the background removal ends
     left = [c for c in session_containers(docker_client) if c.id not in before]  # type: ignore[attr-defined]
     for container in left:
         container.remove(force=True)  # type: ignore[attr-defined]

@@ -9,6 +9,8 @@ import struct
 import threading
 from types import TracebackType
 
+from runtimes.reaper import wait_for_removals_blocking
+
 DOCKER_SOCKET = "/var/run/docker.sock"
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
@@ -45,6 +47,9 @@ class EngineProxy:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # Sandboxes closed through this engine are removed in the background, through it.
+        self.restore()
+        wait_for_removals_blocking()
         self._closed = True
         with contextlib.suppress(OSError):
             self._listener.close()

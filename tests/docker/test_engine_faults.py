@@ -20,6 +20,7 @@ from runtimes import (
 )
 from runtimes.docker import DockerConfig, DockerRuntime
 from runtimes.models import MiB
+from runtimes.reaper import drain_removals
 from tests.docker.proxy import EngineProxy
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_leaks")]
@@ -79,6 +80,7 @@ async def test_cut_engine_is_transport_error_on_every_call(
     finally:
         proxy.restore()
         await rt.close()
+    await drain_removals()
     assert not docker_client.containers.list(all=True, filters={"id": container_id})
 
 

@@ -12,6 +12,7 @@ from runtimes import ProvisioningError, SandboxUnavailableError, open_runtime, o
 from runtimes.docker import DockerConfig, DockerRuntime
 from runtimes.limits import live_cap
 from runtimes.pytest_plugin import DockerRuntimeFactory
+from runtimes.reaper import drain_removals
 from tests.docker.conftest import IMAGE, session_containers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_leaks")]
@@ -41,6 +42,7 @@ async def test_owned_container_carries_labels_and_settings(
         assert (await rt.exec(["hostname"])).stdout == "box\n"
         interfaces = (await rt.exec(["cat", "/proc/net/dev"])).stdout
         assert "eth0" not in interfaces, "network 'none' must have no interface but lo"
+    await drain_removals()
     with pytest.raises(Exception) as gone:
         docker_client.containers.get(rt.sandbox_id)
     assert type(gone.value).__name__ == "NotFound"
@@ -65,6 +67,7 @@ async def test_bad_network_is_provisioning_error_and_removes_the_container(
     assert rt.closed
     # The container was created before start failed: close() must have removed it.
     assert rt.sandbox_id is not None
+    await drain_removals()
     assert not docker_client.containers.list(all=True, filters={"id": rt.sandbox_id})
 
 
@@ -76,6 +79,7 @@ async def test_cancelled_start_leaves_nothing(docker_client: Any) -> None:
     # Either the start finished before the cancellation was seen and was undone, or it
     # is still shielded: in both cases close() leaves no container.
     await rt.close()
+    await drain_removals()
     assert {c.id for c in session_containers(docker_client)} == before
 
 

@@ -21,6 +21,7 @@ from runtimes import (
     open_runtime,
 )
 from runtimes.docker import DockerRuntime
+from runtimes.reaper import drain_removals
 from tests.docker.conftest import IMAGE
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_leaks")]
@@ -169,11 +170,13 @@ async def test_named_volume_is_created_labelled_and_outlives_the_sandbox(
         async with open_runtime(config) as rt:
             await rt.write("/cache/state", b"kept")
             container_name = docker_client.containers.get(rt.sandbox_id).name
+        await drain_removals()
         volume = docker_client.volumes.get(name)
         assert volume.attrs["Labels"]["vf-sandbox.volume"] == container_name
         assert volume.attrs["Labels"]["vf-sandbox.session"]
         async with open_runtime(config) as rt:
             assert await rt.read("/cache/state") == b"kept"
+        await drain_removals()
     finally:
         volume = docker_client.volumes.get(name)
         volume.remove(force=True)
@@ -186,6 +189,7 @@ async def test_anonymous_volume_is_removed_with_the_sandbox(docker_client: Any) 
         mounts = docker_client.containers.get(rt.sandbox_id).attrs["Mounts"]
         (volume_name,) = [m["Name"] for m in mounts if m["Destination"] == "/scratch"]
         assert docker_client.volumes.get(volume_name)
+    await drain_removals()
     assert volume_name not in {v.name for v in docker_client.volumes.list()}
 
 

@@ -22,6 +22,7 @@ import anyio
 import pytest
 
 from runtimes import ProvisioningError, open_runtime
+from runtimes.reaper import wait_for_removals_blocking
 from tests.docker.conftest import IMAGE
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_leaks")]
@@ -130,6 +131,7 @@ def made_images(docker_client: Any) -> Iterator[list[str]]:
 
     made: list[str] = []
     yield made
+    wait_for_removals_blocking()  # the containers of closed sandboxes still hold them
     for image_id in made:
         with contextlib.suppress(docker.errors.NotFound):
             docker_client.images.remove(image_id, force=True)

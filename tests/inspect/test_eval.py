@@ -20,6 +20,7 @@ from inspect_ai.tool import bash, python
 from inspect_ai.util import sandbox
 
 from runtimes.inspect_sandbox import INSPECT_LABEL, TASK_LABEL, VfSandboxEnvironment
+from runtimes.reaper import drain_removals_blocking
 
 IMAGE = "vf-sandbox/base:bookworm"
 MODEL = "mockllm/model"
@@ -116,6 +117,7 @@ def test_an_eval_with_bash_and_python_tools_scores_on_docker(tmp_path: Path) -> 
     log = run(("vf", {"type": "docker", "image": IMAGE}), tmp_path / "logs")
     assert_scored_correct(log)
     assert log.eval.sandbox is not None and log.eval.sandbox.type == "vf"
+    drain_removals_blocking()
     left = [c for c in inspect_containers(client) if c.id not in before]
     assert left == [], "the sample's container outlived the eval"
 

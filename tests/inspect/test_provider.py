@@ -16,12 +16,15 @@ import anyio
 import docker
 import docker.errors
 import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
 from inspect_ai.util import OutputLimitExceededError, SandboxEnvironmentSpec
 from inspect_ai.util import SandboxUnavailableError as InspectUnavailableError
 from inspect_ai.util._sandbox.environment import SandboxUserUnsupportedError
 
 from runtimes import RuntimeConfigError, open_runtime
+from runtimes.cleanup import list_target
 from runtimes.inspect_sandbox import INSPECT_LABEL, TASK_LABEL, VfSandboxEnvironment, load_config
+from runtimes.reaper import drain_removals
 
 pytestmark = pytest.mark.anyio
 
@@ -110,6 +113,31 @@ async def test_exec_maps_vf_errors_onto_inspects_contract(tmp_path: Path) -> Non
         await env.read_file("x")
 
 
+async def test_a_missing_program_and_a_missing_cwd_are_told_apart_by_their_whole_path() -> None:
+    """127 only when the error names the program itself: a missing cwd ending in the
+    program's name (same basename) is still a missing cwd (126)."""
+    config = {"type": "subprocess"}
+    env = await sample(config)
+    try:
+        await env.exec(["mkdir", "bin"])
+        gone = f"{env.runtime.workdir}/gone"
+        cases: list[tuple[list[str], str | None, int, str]] = [
+            (["ls"], "sub/ls", 126, "sub/ls"),
+            (["sub/ls"], "sub/ls", 126, "sub/ls"),  # both missing: the cwd is entered first
+            ([gone], gone, 126, gone),  # an absolute program that is the missing cwd
+            (["no-such-prog"], None, 127, "no-such-prog"),
+            (["./no-such-prog"], None, 127, "./no-such-prog"),  # relative, and missing
+            (["./no-such-prog"], "bin", 127, "./no-such-prog"),  # relative to an existing cwd
+        ]
+        for cmd, cwd, code, named in cases:
+            result = await env.exec(cmd, cwd=cwd)
+            assert (result.success, result.returncode) == (False, code), (cmd, cwd, result)
+            assert named in result.stderr, (cmd, cwd, result)
+        assert (await env.exec(["ls"], cwd="bin")).returncode == 0  # the cases ran where meant
+    finally:
+        await cleanup(env, config)
+
+
 async def test_per_stream_output_limit_keeps_the_limit_and_kills_the_tree(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -190,9 +218,11 @@ async def test_task_cleanup_closes_sandboxes_whose_sample_cleanup_never_ran() ->
         assert len(inspect_containers(task)) == 2
         await VfSandboxEnvironment.task_cleanup("shutdown", config, True)
         assert first.runtime.closed and not second.runtime.closed  # only this config's
+        await drain_removals()
         assert [c.id for c in inspect_containers(task)] == [second.runtime.sandbox_id]
     finally:
         await VfSandboxEnvironment.task_cleanup("shutdown", other, True)
+    await drain_removals()
     assert second.runtime.closed and inspect_containers(task) == []
 
 
@@ -245,9 +275,64 @@ async def test_no_sandbox_cleanup_leaves_the_sandbox_and_cli_cleanup_removes_it(
     by_id = await no_cleanup_eval(task)
     await VfSandboxEnvironment.cli_cleanup(by_id[:12])
     assert f"removed docker sandbox {by_id}" in capsys.readouterr().out
+    await drain_removals()
     assert inspect_containers(task) == []
     with pytest.raises(docker.errors.NotFound):
         docker.from_env().containers.get(by_id)
+
+
+ENDING_EVAL = textwrap.dedent(
+    """
+    import sys, anyio
+    from runtimes.inspect_sandbox import VfSandboxEnvironment, load_config
+
+    async def main() -> None:
+        task = sys.argv[1]
+        kept = load_config({"type": "subprocess", "keep": True})
+        plain = load_config({"type": "subprocess"})
+        kept_envs = await VfSandboxEnvironment.sample_init(task, kept, {})
+        plain_envs = await VfSandboxEnvironment.sample_init(task, plain, {})
+        ids = [envs["default"].runtime.sandbox_id for envs in (kept_envs, plain_envs)]
+        print(*ids, flush=True)
+        await anyio.to_thread.run_sync(sys.stdin.readline)  # running until told to end
+        await VfSandboxEnvironment.sample_cleanup(task, kept, kept_envs, False)  # keep=True
+        await VfSandboxEnvironment.task_cleanup("shutdown", plain, False)  # --no-sandbox-cleanup
+
+    anyio.run(main)
+    """
+)
+
+
+async def subprocess_sandbox_ids() -> set[str]:
+    _, _, found = await list_target("subprocess")
+    return {info.id for info in found}
+
+
+async def test_cli_cleanup_spares_a_running_evals_sandboxes_and_removes_an_ended_evals(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without an id: every sandbox of a running eval survives, kept (``keep=True``) or not;
+    once that eval has ended, its ``keep=True`` sandbox and the one ``--no-sandbox-cleanup``
+    left both go."""
+    argv = [sys.executable, "-c", ENDING_EVAL, "ending_eval_task"]
+    with anyio.fail_after(120):
+        async with await anyio.open_process(argv, cwd=REPO) as child:
+            assert child.stdout is not None and child.stdin is not None
+            line = await BufferedByteReceiveStream(child.stdout).receive_until(b"\n", 4096)
+            kept_id, plain_id = line.decode().split()
+            try:
+                await VfSandboxEnvironment.cli_cleanup(None)
+                assert {kept_id, plain_id} <= await subprocess_sandbox_ids()
+            finally:
+                await child.stdin.send(b"\n")
+                assert await child.wait() == 0
+    assert {kept_id, plain_id} <= await subprocess_sandbox_ids()  # the eval left both
+    capsys.readouterr()
+    await VfSandboxEnvironment.cli_cleanup(None)
+    out = capsys.readouterr().out
+    assert f"removed: subprocess sandbox {kept_id}" in out, out
+    assert f"removed: subprocess sandbox {plain_id}" in out, out
+    assert not {kept_id, plain_id} & await subprocess_sandbox_ids()
 
 
 async def test_sandboxes_of_concurrent_samples_are_apart() -> None:

@@ -25,6 +25,7 @@ from runtimes.docker import DockerRuntime
 from runtimes.lifecycle import State
 from runtimes.pool import POOL, RuntimePool
 from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+from runtimes.reaper import drain_removals
 
 from .conftest import Starts
 
@@ -61,12 +62,13 @@ def pool_containers(client: Any, pool_id: str) -> list[Any]:
     return found
 
 
-def exists(client: Any, container_id: str) -> bool:
+def inert(client: Any, container_id: str) -> bool:
+    """Nothing in the container can run any more: it is gone, paused or stopped."""
     try:
-        client.containers.get(container_id)
+        state = client.containers.get(container_id).attrs["State"]
     except docker.errors.NotFound:
-        return False
-    return True
+        return True
+    return bool(state["Paused"]) or not state["Running"]
 
 
 async def test_acquire_hands_out_distinct_started_containers_removed_after_their_block(
@@ -86,7 +88,7 @@ async def test_acquire_hands_out_distinct_started_containers_removed_after_their
                 assert result.exit_code == 0, "another acquirer used this container"
                 assert rt.sandbox_id is not None
                 ids.append(rt.sandbox_id)
-            assert not exists(docker_client, rt.sandbox_id), "removed at the block's end"
+            assert inert(docker_client, rt.sandbox_id), "frozen or gone at the block's end"
 
         async with anyio.create_task_group() as group:
             for _ in range(6):
@@ -95,6 +97,7 @@ async def test_acquire_hands_out_distinct_started_containers_removed_after_their
         await pool.wait_ready()
         assert starts.calls == 8, "size 2 plus one replacement per acquirer"
         assert starts.max_in_flight <= 2
+    await drain_removals()
     assert pool_containers(docker_client, pool.id) == []
 
 
@@ -122,6 +125,7 @@ async def test_a_missing_image_is_retried_then_reported_and_the_pool_recovers(
     finally:
         with contextlib.suppress(docker.errors.ImageNotFound):
             docker_client.images.remove(image, noprune=True)
+    await drain_removals()
     assert pool_containers(docker_client, pool.id) == []
 
 
@@ -131,6 +135,7 @@ async def test_closing_the_pool_leaves_no_container_even_with_creations_in_fligh
     async with RuntimePool(CONFIG, size=4, max_create_concurrency=2) as pool:
         await pool.wait_ready(1)  # leaves the pool with creations in flight
         assert pool.creating > 0
+    await drain_removals()
     assert pool_containers(docker_client, pool.id) == []
     assert all(rt.closed for rt in starts.started)
 

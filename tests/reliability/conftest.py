@@ -23,6 +23,7 @@ import pytest
 
 from runtimes import Runtime, ownership
 from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+from runtimes.reaper import drain_removals_blocking
 from tests.ssh.sshd import IMAGE as SSHD_IMAGE
 from tests.ssh.sshd import SSHServer, image_present
 
@@ -192,6 +193,7 @@ def no_container_leaks(docker_client: Any) -> Iterator[None]:
     """Fail the test if it leaves a container of this session behind (and remove those)."""
     before = {c.id for c in session_containers(docker_client)}
     yield
+    drain_removals_blocking()  # close() returns before the background removal ends
     left = [c for c in session_containers(docker_client) if c.id not in before]
     for container in left:
         container.remove(force=True)

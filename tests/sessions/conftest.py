@@ -20,6 +20,7 @@ from harnesses.session import (
     call,
 )
 from runtimes import live_runtimes
+from runtimes.reaper import wait_for_removals_blocking
 
 PYTHON_IMAGE = "vf-sandbox/python:latest"
 SUBPROCESS = {"type": "subprocess"}
@@ -31,7 +32,8 @@ BACKENDS = [
 ]
 
 # Threads that outlive a session by design: the idle worker-thread pools of anyio and trio.
-_POOLED_THREADS = ("AnyIO worker thread", "Trio thread")
+_POOLED_THREADS = ("AnyIO worker thread", "Trio thread", "vf-sandbox-reaper")
+"""Process-wide worker threads, bounded in number and reused (the reaper: runtimes/reaper.py)."""
 
 
 @pytest.fixture
@@ -143,9 +145,11 @@ async def kill_sandbox(session: AgentSession) -> None:
 
 
 def containers_of(rollout_id: str) -> list[str]:
-    """Docker containers (any state) labelled with this rollout id."""
+    """Docker containers (any state) labelled with this rollout id, once the removals of
+    closed sandboxes have run."""
     import docker
 
+    wait_for_removals_blocking()
     client = docker.from_env()
     try:
         found = client.containers.list(
