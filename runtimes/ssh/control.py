@@ -20,6 +20,7 @@ from ..errors import SandboxInvalidArgumentError, SandboxTransportError
 from ..models import SandboxInfo
 from ..scripts import load
 from ..snapshot import SandboxSnapshot, snapshot_from_labels
+from ..subprocess import tree_copy
 from .client import _CHUNK, _answer_within, _connect
 from .config import SSHConfig
 from .process import _MARKER_VAR
@@ -59,8 +60,11 @@ def _setup_script(
 
 
 def _snapshot_script(workdir: str) -> _ControlScript:
-    """Copy the workdir into a new snapshot directory (metadata on stdin); prints it."""
-    return _ControlScript("snapshot", (_SNAPSHOT_PREFIX, _SNAPSHOT_META, workdir))
+    """Copy the workdir into a new snapshot directory (metadata on stdin) with the host's
+    ``python3`` running :mod:`runtimes.subprocess.tree_copy` (``cp -a`` without one); prints
+    the directory."""
+    args = (_SNAPSHOT_PREFIX, _SNAPSHOT_META, workdir, tree_copy.source_text())
+    return _ControlScript("snapshot", args)
 
 
 def _kill_script(pgids: Iterable[int]) -> _ControlScript:

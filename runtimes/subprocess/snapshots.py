@@ -1,12 +1,13 @@
 """Snapshots of subprocess sandboxes: a copy of the workdir in a directory of the runtime's
 root (``<root>/snap-XXXXXXXX/``: ``snapshot.json``, the labels, and ``tree/``, the copy).
 
-Copies are made by ``cp -a --reflink=auto``: modes, times, owners (when the host process is
-root), hard links within the tree, FIFOs and links kept; a symbolic link is copied as a link,
-never followed, wherever it points (a policy may plant ``evil -> /etc/shadow``); on a
-filesystem with reflinks (btrfs, XFS) the data is shared until written. ``snapshot.json`` is
-written before the copy starts, so a holder killed mid-copy leaves a labelled directory that
-``vf-sandbox cleanup`` removes.
+Copies are made by :func:`.tree_copy.copy_tree`, which walks by descriptor: a symbolic link is
+copied as a link, never followed, wherever it points (a policy may plant ``evil ->
+/etc/shadow``), and a directory a leftover process swaps for a link *while* the copy runs is
+never read through; modes, times, owners (when the host process is root), hard links within
+the tree and FIFOs are kept, as ``cp -a`` keeps them; on a filesystem with reflinks (btrfs,
+XFS) the data is shared until written. ``snapshot.json`` is written before the copy starts, so
+a holder killed mid-copy leaves a labelled directory that ``vf-sandbox cleanup`` removes.
 """
 
 from __future__ import annotations
@@ -15,36 +16,31 @@ import errno
 import json
 import os
 import stat
-import subprocess
 import tempfile
 from pathlib import Path
 
 from ..errors import ProvisioningError, SandboxError, SandboxInvalidArgumentError
 from ..snapshot import SandboxSnapshot, SnapshotNotFoundError, snapshot_from_labels
+from . import tree_copy
 from .files import _remove_sandbox_dir
 
 SNAPSHOT_PREFIX = "snap-"
 SNAPSHOT_META = "snapshot.json"
 TREE = "tree"
 
-_COPY = ["cp", "-a", "--reflink=auto", "-T", "--"]
-
 
 def copy_tree(source: Path, target: Path) -> None:
-    """Copy the directory ``source`` to ``target`` (which must not exist), links as links.
+    """Copy the directory ``source`` to ``target`` (which must not exist), links as links,
+    never reading through a link, even one swapped in during the copy.
 
     Raises:
-        SandboxError: ``cp`` failed (its message attached): an unreadable file, a full disk.
+        SandboxError: the copy failed (the reason attached): an unreadable file, a full disk,
+            an entry that kept changing, a tree deeper than ``tree_copy.MAX_DEPTH``.
     """
-    done = subprocess.run(
-        [*_COPY, str(source), str(target)],
-        capture_output=True,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
-    if done.returncode != 0:
-        detail = done.stderr.decode("utf-8", "replace").strip()
-        raise SandboxError(f"copying {source} to {target} failed: {detail}")
+    try:
+        tree_copy.copy_tree(str(source), str(target))
+    except OSError as exc:
+        raise SandboxError(f"copying {source} to {target} failed: {exc}") from exc
 
 
 def _real_directory(path: Path) -> bool:

@@ -39,6 +39,7 @@ ATTACKS = {
     9: "subprocess close leaves setsid'd processes",
     10: "model relay abused by sandbox code",
     11: "shell session spoken for by sandbox code",
+    12: "snapshot/fork of a hostile sandbox",
 }
 
 
