@@ -20,6 +20,7 @@ import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from xml.etree import ElementTree
 
 import anyio
 import pytest
@@ -164,19 +165,52 @@ def test_guide_plugin_passes_vf_sandbox_check(guide_project: Path, tmp_path: Pat
     assert list(tmp_path.glob("vf-tinybox/box-*")) == [], "a check left its sandbox behind"
 
 
-def test_guide_pytest_suite_passes(
-    guide_project: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_guide_pytest_suite_passes(guide_project: Path, pytester: pytest.Pytester) -> None:
     """The guide's `RuntimeConformance` test module, run by pytest in a user's project: every
-    check is one test, under asyncio and trio."""
+    check is one test, under asyncio and trio. Its checks mostly wait (timeouts, sleeps), so
+    the module runs as two pytest processes side by side, each given every other check."""
     pytester.makepyfile(test_tinybox=(guide_project / "tests" / "test_tinybox.py").read_text())
-    monkeypatch.setenv("PYTHONPATH", str(guide_project))
-    monkeypatch.setenv("TMPDIR", str(pytester.path))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-ra", timeout=900)
-    failures = [line for line in result.outlines if line.startswith(("FAILED", "ERROR"))]
-    assert not failures, "\n".join(failures)
-    skipped = len(ROOT_SKIPS) if os.geteuid() == 0 else 0
-    result.assert_outcomes(passed=len(CHECKS) - skipped, skipped=skipped)
+    env = _subprocess_env(guide_project, pytester.path)
+    ids = [f"test_tinybox.py::TestTinybox::test_conformance[{c.name}]" for c in CHECKS]
+    halves = [_start_pytest(pytester.path, f"half{i}", ids[i::2], env) for i in range(2)]
+    try:
+        reports = [_finish_pytest(pytester.path, name, proc) for name, proc in halves]
+    finally:
+        for _name, proc in halves:
+            proc.kill()  # only one still running after a failure
+    outcomes = {case: outcome for report in reports for case, outcome in report.items()}
+    assert sorted(outcomes) == sorted(c.name for c in CHECKS)
+    failed = {
+        name: outcome for name, outcome in outcomes.items() if outcome not in ("passed", "skipped")
+    }
+    assert not failed, failed
+    expected_skips = ROOT_SKIPS if os.geteuid() == 0 else set()
+    assert {n for n, outcome in outcomes.items() if outcome == "skipped"} == expected_skips
+
+
+def _start_pytest(
+    cwd: Path, name: str, ids: list[str], env: dict[str, str]
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """pytest on ``ids`` in ``cwd``, as a user would run it, with a JUnit report ``name``.xml."""
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-ra"]
+    argv += [f"--basetemp={cwd / f'basetemp-{name}'}", f"--junitxml={cwd / f'{name}.xml'}", *ids]
+    with (cwd / f"{name}.log").open("wb") as log:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return name, proc
+
+
+def _finish_pytest(cwd: Path, name: str, proc: subprocess.Popen[bytes]) -> dict[str, str]:
+    """Each check's outcome (passed, skipped, failure, error) in the finished run ``name``."""
+    proc.wait(timeout=900)
+    output = (cwd / f"{name}.log").read_text(errors="replace")
+    assert proc.returncode == 0, output
+    outcomes = {}
+    for case in ElementTree.parse(cwd / f"{name}.xml").iter("testcase"):
+        check = re.fullmatch(r"test_conformance\[(\w+)\]", case.get("name", ""))
+        assert check is not None, (case.attrib, output)
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        outcomes[check.group(1)] = kinds[0] if kinds else "passed"
+    return outcomes
 
 
 def test_guide_plugin_root_skipped_checks_as_non_root(

@@ -1,9 +1,15 @@
 """The conformance checks every backend must pass.
 
-Each check is an async function taking a freshly started :class:`~runtimes.Runtime`.
+Each check is an async function taking a started :class:`~runtimes.Runtime`.
 It raises ``AssertionError`` (or any other exception) on failure and
 :class:`CheckSkipped` when it does not apply to this sandbox (for example permission
 checks inside a sandbox that runs as root, where nothing is unreadable).
+
+Every check says whether it may share its sandbox with other checks
+(``@check(shares_sandbox=...)``, :attr:`Check.shares_sandbox`): a sharing check leaves nothing
+a later check could see (no process, no file outside paths of its own with unique names, the
+runtime open); a check that closes the runtime or is about the sandbox's processes as a whole
+always gets a fresh sandbox.
 
 The same list drives the pytest suite (:mod:`runtimes.testing.pytest_suite`) and
 ``vf-sandbox check``.
@@ -31,15 +37,25 @@ class Check:
     name: str
     fn: CheckFn
     doc: str
+    shares_sandbox: bool = False
+    """Whether the check may run in a sandbox other checks use before and after it: it
+    leaves no process running, writes only under paths of its own with unique names, and
+    leaves the runtime open. ``False``: it always gets a fresh sandbox."""
 
 
 CHECKS: list[Check] = []
 
 
-def check(fn: CheckFn) -> CheckFn:
-    name = fn.__name__.removeprefix("check_")
-    CHECKS.append(Check(name, fn, (fn.__doc__ or "").strip().splitlines()[0]))
-    return fn
+def check(*, shares_sandbox: bool) -> Callable[[CheckFn], CheckFn]:
+    """Register the decorated ``check_<name>`` function as the check ``<name>``."""
+
+    def register(fn: CheckFn) -> CheckFn:
+        name = fn.__name__.removeprefix("check_")
+        doc = (fn.__doc__ or "").strip().splitlines()[0]
+        CHECKS.append(Check(name, fn, doc, shares_sandbox))
+        return fn
+
+    return register
 
 
 # ---------------------------------------------------------------------- helpers
@@ -86,8 +102,12 @@ def _assert_names(exc: BaseException, path: str) -> None:
     assert path in str(exc), f"error message does not name {path!r}: {exc}"
 
 
+SCRATCH_PREFIX = "conformance-"
+"""How the paths a check makes in the workdir begin (each with a unique random suffix)."""
+
+
 async def _scratch(rt: Runtime) -> str:
-    path = f"{rt.workdir}/conformance-{random.randrange(1 << 30)}"
+    path = f"{rt.workdir}/{SCRATCH_PREFIX}{random.randrange(1 << 30)}"
     result = await rt.exec(["mkdir", "-p", path])
     assert result.exit_code == 0, result
     return path
@@ -103,6 +123,33 @@ async def _raises(
     except BaseException as exc:
         raise AssertionError(f"expected {expected}, got {type(exc).__name__}: {exc}") from exc
     raise AssertionError(f"expected {expected}, nothing was raised")
+
+
+async def _workdir_names(rt: Runtime) -> set[str]:
+    listing = await rt.exec(
+        [
+            "sh",
+            "-c",
+            'cd "$1" && for f in * .[!.]* ..?*; do [ -e "$f" ] || [ -L "$f" ] &&'
+            ' printf "%s\\0" "$f"; done; true',
+            "sh",
+            rt.workdir,
+        ],
+        timeout=60,
+    )
+    assert listing.exit_code == 0, listing
+    return set(listing.stdout_bytes.decode("utf-8", "surrogateescape").split("\0")[:-1])
+
+
+async def _assert_left_nothing(name: str, rt: Runtime, before: set[str]) -> None:
+    """What a check marked ``shares_sandbox`` promises the next check: no process its
+    commands started is left, the runtime answers, and the workdir gained only paths with
+    the scratch prefix."""
+    left = await rt.stop_processes()
+    assert left == 0, f"{name} shares its sandbox but left {left} processes running"
+    added = await _workdir_names(rt) - before
+    foreign = sorted(n for n in added if not n.startswith(SCRATCH_PREFIX))
+    assert not foreign, f"{name} shares its sandbox but made {foreign} in the workdir"
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from .checks import (
 # ---------------------------------------------------------------------- exec: output
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdout_exact(rt: Runtime) -> None:
     """stdout is returned byte-exact, with no stripping of whitespace or blank lines."""
     result = await rt.exec(["printf", "  lead\\n\\n trail  \\n\\n"])
@@ -43,7 +43,7 @@ async def check_stdout_exact(rt: Runtime) -> None:
     assert result.stderr_bytes == b"", result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stderr_separate(rt: Runtime) -> None:
     """stdout and stderr are kept apart."""
     result = await rt.exec(
@@ -53,7 +53,7 @@ async def check_stderr_separate(rt: Runtime) -> None:
     assert result.stderr_bytes == b"err1err2", result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_large_output_both_streams(rt: Runtime) -> None:
     """2 MiB on each stream at once arrives whole (no pipe deadlock)."""
     script = (
@@ -64,7 +64,7 @@ async def check_large_output_both_streams(rt: Runtime) -> None:
     assert result.stderr_bytes == b"e" * 2 * MiB, len(result.stderr_bytes)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_invalid_utf8_output(rt: Runtime) -> None:
     """Invalid UTF-8 output: bytes exact, text with replacement characters."""
     result = await rt.exec(["printf", "a\\377\\376b"])
@@ -72,7 +72,7 @@ async def check_invalid_utf8_output(rt: Runtime) -> None:
     assert result.stdout == "a\ufffd\ufffdb", result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_exit_codes(rt: Runtime) -> None:
     """Exit codes are returned as is: 0, 1, 42, 255."""
     for code in (0, 1, 42, 255):
@@ -80,7 +80,7 @@ async def check_exit_codes(rt: Runtime) -> None:
         assert result.exit_code == code, (code, result)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_signal_death(rt: Runtime) -> None:
     """A death by signal N is exit code 128 + N."""
     term = await rt.exec(["sh", "-c", "kill -TERM $$"])
@@ -92,7 +92,7 @@ async def check_signal_death(rt: Runtime) -> None:
 # ---------------------------------------------------------------------- exec: timeouts
 
 
-@check
+@check(shares_sandbox=True)
 async def check_timeout_raises_with_partial_output(rt: Runtime) -> None:
     """timeout= raises ExecTimeoutError carrying the output produced before it."""
     started = anyio.current_time()
@@ -107,7 +107,7 @@ async def check_timeout_raises_with_partial_output(rt: Runtime) -> None:
     assert elapsed < 15, f"timeout of 1.5s took {elapsed:.1f}s"
 
 
-@check
+@check(shares_sandbox=True)
 async def check_timeout_kills_tree(rt: Runtime) -> None:
     """After a timeout no process of the command is left, a sleeping grandchild included."""
     token = _token()
@@ -121,7 +121,7 @@ async def check_timeout_kills_tree(rt: Runtime) -> None:
     await _assert_no_process(rt, token)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_cancellation_kills_tree(rt: Runtime) -> None:
     """Cancelling the awaiting task kills the process tree too."""
     token = _token()
@@ -133,7 +133,7 @@ async def check_cancellation_kills_tree(rt: Runtime) -> None:
     assert result.stdout == "still usable\n", result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_on_output_streams(rt: Runtime) -> None:
     """``on_output`` sees each chunk while the command still runs; the chunks are the result."""
     seen: list[tuple[float, str, bytes]] = []
@@ -154,7 +154,7 @@ class _CallbackFailed(Exception):
     pass
 
 
-@check
+@check(shares_sandbox=True)
 async def check_on_output_error_kills_tree(rt: Runtime) -> None:
     """An exception raised by ``on_output`` kills the process tree and propagates as is."""
     token = _token()
@@ -175,14 +175,14 @@ async def check_on_output_error_kills_tree(rt: Runtime) -> None:
     assert result.stdout == "still usable\n", result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_fast_command_not_timed_out(rt: Runtime) -> None:
     """A command that finishes inside its timeout returns normally."""
     result = await rt.exec(["sh", "-c", "sleep 0.2; echo done"], timeout=20)
     assert result.stdout == "done\n", result
 
 
-@check
+@check(shares_sandbox=False)  # leaves a daemon running while it looks
 async def check_background_process_keeps_running(rt: Runtime) -> None:
     """A daemon a command starts with its output redirected survives that command."""
     token = _token()
@@ -196,7 +196,7 @@ async def check_background_process_keeps_running(rt: Runtime) -> None:
     await rt.exec(["pkill", "-f", f"sleep {token}"])
 
 
-@check
+@check(shares_sandbox=False)  # counts and kills every process the runtime's commands left
 async def check_stop_processes(rt: Runtime) -> None:
     """stop_processes() kills what commands left running in the background, nothing else."""
     token = _token()
@@ -212,7 +212,7 @@ async def check_stop_processes(rt: Runtime) -> None:
 # ---------------------------------------------------------------------- exec: env, cwd
 
 
-@check
+@check(shares_sandbox=True)
 async def check_env(rt: Runtime) -> None:
     """env= adds variables for that call only; values are exact (spaces, empty, unicode)."""
     env = {"VF_A": "x y  z", "VF_EMPTY": "", "VF_U": "ünï\tcode"}
@@ -225,7 +225,7 @@ async def check_env(rt: Runtime) -> None:
     assert again.stdout == "unset", again
 
 
-@check
+@check(shares_sandbox=True)
 async def check_default_cwd_is_workdir(rt: Runtime) -> None:
     """Without cwd=, commands run in the workdir."""
     assert rt.workdir.startswith("/"), rt.workdir
@@ -234,7 +234,7 @@ async def check_default_cwd_is_workdir(rt: Runtime) -> None:
     assert result.stdout == real.stdout, (result, real)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_cwd_absolute_and_relative(rt: Runtime) -> None:
     """cwd= may be absolute, or relative to the workdir."""
     base = await _scratch(rt)
@@ -246,7 +246,7 @@ async def check_cwd_absolute_and_relative(rt: Runtime) -> None:
     assert relative.stdout == f"{base}/sub dir\n", relative
 
 
-@check
+@check(shares_sandbox=True)
 async def check_cwd_missing(rt: Runtime) -> None:
     """A missing cwd is SandboxFileNotFoundError naming it."""
     missing = f"{rt.workdir}/no-such-dir-{_token()}"
@@ -257,14 +257,14 @@ async def check_cwd_missing(rt: Runtime) -> None:
 # ---------------------------------------------------------------------- exec: stdin, argv
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_text(rt: Runtime) -> None:
     """stdin as text is fed and closed."""
     result = await rt.exec(["cat"], stdin="hello\nwörld\n")
     assert result.stdout == "hello\nwörld\n", result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_empty_and_none(rt: Runtime) -> None:
     """Empty or absent stdin reaches EOF at once (cat does not hang)."""
     for stdin in (b"", None):
@@ -272,7 +272,7 @@ async def check_stdin_empty_and_none(rt: Runtime) -> None:
         assert result.stdout_bytes == b"" and result.exit_code == 0, (stdin, result)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_binary(rt: Runtime) -> None:
     """Binary stdin with NUL bytes and every byte value round-trips."""
     data = bytes(range(256)) * 64 + b"\x00\x00end"
@@ -280,7 +280,7 @@ async def check_stdin_binary(rt: Runtime) -> None:
     assert result.stdout_bytes == data
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_50mib(rt: Runtime) -> None:
     """50 MiB of stdin arrives whole."""
     data = random.randbytes(50 * MiB)
@@ -288,14 +288,14 @@ async def check_stdin_50mib(rt: Runtime) -> None:
     assert result.stdout.split()[0] == hashlib.sha256(data).hexdigest(), result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_unread(rt: Runtime) -> None:
     """A command that ignores a large stdin still finishes normally."""
     result = await rt.exec(["true"], stdin=b"x" * (4 * MiB), timeout=30)
     assert result.exit_code == 0, result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_large_argv(rt: Runtime) -> None:
     """argv totalling more than 1 MiB reaches the program intact."""
     chunks = [random.randbytes(48 * 1024).hex() for _ in range(12)]  # 12 x 96 KiB = 1.1 MiB
@@ -305,7 +305,7 @@ async def check_large_argv(rt: Runtime) -> None:
     assert result.stdout.split()[0] == expected, result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_argv_special_characters(rt: Runtime) -> None:
     """argv items are passed verbatim: quotes, $, backslashes, newlines, unicode, empty."""
     items = ["it's", 'say "hi"', "$HOME", "back\\slash", "new\nline", "tab\there", "ünï", "", "*"]
@@ -313,7 +313,7 @@ async def check_argv_special_characters(rt: Runtime) -> None:
     assert result.stdout == "".join(f"[{i}]" for i in items), result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_concurrent_execs(rt: Runtime) -> None:
     """Twenty concurrent execs each get their own output."""
     results: dict[int, str] = {}
@@ -334,7 +334,7 @@ async def check_concurrent_execs(rt: Runtime) -> None:
 # ---------------------------------------------------------------------- exec: limits and errors
 
 
-@check
+@check(shares_sandbox=True)
 async def check_output_limit(rt: Runtime) -> None:
     """Output over the per-call cap raises OutputLimitExceededError with the truncated output."""
     exc = await _raises(
@@ -347,7 +347,7 @@ async def check_output_limit(rt: Runtime) -> None:
     assert set(exc.stdout_bytes) <= {0}
 
 
-@check
+@check(shares_sandbox=True)
 async def check_output_limit_stops_endless_output(rt: Runtime) -> None:
     """An endless writer is killed at the cap instead of filling memory."""
     token = _token()
@@ -360,14 +360,14 @@ async def check_output_limit_stops_endless_output(rt: Runtime) -> None:
     await _assert_no_process(rt, token)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_output_at_limit_ok(rt: Runtime) -> None:
     """Output exactly at the cap is returned normally."""
     result = await rt.exec(["head", "-c", "65536", "/dev/zero"], output_limit=65536)
     assert len(result.stdout_bytes) == 65536
 
 
-@check
+@check(shares_sandbox=True)
 async def check_missing_program(rt: Runtime) -> None:
     """A program that does not exist is SandboxFileNotFoundError naming it."""
     name = f"vf-no-such-program-{random.randrange(1 << 30)}"
@@ -375,7 +375,7 @@ async def check_missing_program(rt: Runtime) -> None:
     _assert_names(exc, name)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_non_executable_program(rt: Runtime) -> None:
     """A file without the execute bit is SandboxPermissionError naming it."""
     path = f"{await _scratch(rt)}/not-exec.sh"
@@ -385,7 +385,7 @@ async def check_non_executable_program(rt: Runtime) -> None:
     _assert_names(exc, path)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_invalid_argv(rt: Runtime) -> None:
     """Empty argv, a shell string, and NUL bytes are SandboxInvalidArgumentError."""
     await _raises(SandboxInvalidArgumentError, rt.exec([]))
@@ -393,7 +393,7 @@ async def check_invalid_argv(rt: Runtime) -> None:
     await _raises(SandboxInvalidArgumentError, rt.exec(["echo", "a\x00b"]))
 
 
-@check
+@check(shares_sandbox=True)
 async def check_user(rt: Runtime) -> None:
     """user= runs as that user when the sandbox can switch, an unknown user is
     SandboxUserNotFoundError, and a switch the sandbox cannot make SandboxUserRefusedError (a

@@ -23,6 +23,7 @@ from ..errors import (
 )
 from ..models import MiB
 from .checks import (
+    SCRATCH_PREFIX,
     CheckSkipped,
     _assert_names,
     _is_root,
@@ -34,7 +35,7 @@ from .checks import (
 # ---------------------------------------------------------------------- files: round trips
 
 
-@check
+@check(shares_sandbox=True)
 async def check_file_round_trip(rt: Runtime) -> None:
     """write then read returns the same bytes, and exec sees the file."""
     path = f"{await _scratch(rt)}/hello.txt"
@@ -43,7 +44,7 @@ async def check_file_round_trip(rt: Runtime) -> None:
     assert (await rt.exec(["cat", path])).stdout_bytes == b"hello\n"
 
 
-@check
+@check(shares_sandbox=True)
 async def check_file_empty(rt: Runtime) -> None:
     """An empty file round-trips."""
     path = f"{await _scratch(rt)}/empty"
@@ -52,7 +53,7 @@ async def check_file_empty(rt: Runtime) -> None:
     assert (await rt.exec(["wc", "-c", path])).stdout.split()[0] == "0"
 
 
-@check
+@check(shares_sandbox=True)
 async def check_file_binary(rt: Runtime) -> None:
     """Every byte value, NULs and invalid UTF-8 round-trip."""
     path = f"{await _scratch(rt)}/binary.bin"
@@ -63,7 +64,7 @@ async def check_file_binary(rt: Runtime) -> None:
     assert sha == hashlib.sha256(data).hexdigest()
 
 
-@check
+@check(shares_sandbox=True)
 async def check_file_text(rt: Runtime) -> None:
     """write() accepts text and stores it as UTF-8."""
     path = f"{await _scratch(rt)}/text.txt"
@@ -71,7 +72,7 @@ async def check_file_text(rt: Runtime) -> None:
     assert await rt.read(path) == "ünïcødé ✓\n".encode()
 
 
-@check
+@check(shares_sandbox=True)
 async def check_file_50mib(rt: Runtime) -> None:
     """A 50 MiB file round-trips both ways, verified by hash inside the sandbox."""
     path = f"{await _scratch(rt)}/big.bin"
@@ -83,7 +84,7 @@ async def check_file_50mib(rt: Runtime) -> None:
     assert len(back) == len(data) and back == data
 
 
-@check
+@check(shares_sandbox=True)
 async def check_file_special_names(rt: Runtime) -> None:
     """Names with spaces, quotes, newlines, unicode and leading dashes round-trip."""
     base = await _scratch(rt)
@@ -108,7 +109,7 @@ async def check_file_special_names(rt: Runtime) -> None:
     assert sorted(listing.stdout_bytes.decode().split("\0")[:-1]) == sorted(names), listing
 
 
-@check
+@check(shares_sandbox=True)
 async def check_write_creates_parents(rt: Runtime) -> None:
     """write() creates missing parent directories."""
     path = f"{await _scratch(rt)}/a/b/c/d.json"
@@ -116,7 +117,7 @@ async def check_write_creates_parents(rt: Runtime) -> None:
     assert await rt.read(path) == b"{}"
 
 
-@check
+@check(shares_sandbox=True)
 async def check_write_overwrites(rt: Runtime) -> None:
     """write() replaces old content entirely, a longer old file included."""
     path = f"{await _scratch(rt)}/over"
@@ -125,7 +126,7 @@ async def check_write_overwrites(rt: Runtime) -> None:
     assert await rt.read(path) == b"short"
 
 
-@check
+@check(shares_sandbox=True)
 async def check_write_keeps_file_and_leaves_nothing_beside(rt: Runtime) -> None:
     """Overwriting keeps the file's mode, writes through a symlink (the link stays a link)
     and leaves no temporary file next to the target."""
@@ -144,17 +145,17 @@ async def check_write_keeps_file_and_leaves_nothing_beside(rt: Runtime) -> None:
     )
 
 
-@check
+@check(shares_sandbox=True)
 async def check_relative_paths(rt: Runtime) -> None:
     """Relative file paths resolve against the workdir."""
-    name = f"rel-{random.randrange(1 << 30)}/x.txt"
+    name = f"{SCRATCH_PREFIX}{random.randrange(1 << 30)}/x.txt"
     await rt.write(name, b"rel")
     assert await rt.read(f"{rt.workdir}/{name}") == b"rel"
     assert (await rt.exec(["cat", name])).stdout == "rel"
     assert await rt.exists(name)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_read_follows_symlink(rt: Runtime) -> None:
     """read() follows a symlink to its target."""
     base = await _scratch(rt)
@@ -166,7 +167,7 @@ async def check_read_follows_symlink(rt: Runtime) -> None:
 # ---------------------------------------------------------------------- files: typed errors
 
 
-@check
+@check(shares_sandbox=True)
 async def check_read_missing(rt: Runtime) -> None:
     """Reading a missing file is SandboxFileNotFoundError (a FileNotFoundError) naming it."""
     path = f"{rt.workdir}/missing-{random.randrange(1 << 30)}.txt"
@@ -176,7 +177,7 @@ async def check_read_missing(rt: Runtime) -> None:
     _assert_names(exc, path)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_read_directory(rt: Runtime) -> None:
     """Reading a directory is SandboxIsADirectoryError naming it."""
     base = await _scratch(rt)
@@ -185,7 +186,7 @@ async def check_read_directory(rt: Runtime) -> None:
     _assert_names(exc, base)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_write_to_directory(rt: Runtime) -> None:
     """Writing over a directory is SandboxIsADirectoryError naming it."""
     base = await _scratch(rt)
@@ -193,7 +194,7 @@ async def check_write_to_directory(rt: Runtime) -> None:
     _assert_names(exc, base)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_read_under_file(rt: Runtime) -> None:
     """Reading file/child where file is a regular file is SandboxNotADirectoryError."""
     base = await _scratch(rt)
@@ -203,7 +204,7 @@ async def check_read_under_file(rt: Runtime) -> None:
     _assert_names(exc, f"{base}/file/child")
 
 
-@check
+@check(shares_sandbox=True)
 async def check_write_under_file(rt: Runtime) -> None:
     """Writing file/child where file is a regular file is SandboxNotADirectoryError."""
     base = await _scratch(rt)
@@ -213,7 +214,7 @@ async def check_write_under_file(rt: Runtime) -> None:
     assert await rt.read(f"{base}/file") == b"x", "the existing file must be untouched"
 
 
-@check
+@check(shares_sandbox=True)
 async def check_unreadable_file(rt: Runtime) -> None:
     """Reading a file without read permission is SandboxPermissionError (non-root sandboxes)."""
     if await _is_root(rt):
@@ -226,7 +227,7 @@ async def check_unreadable_file(rt: Runtime) -> None:
     _assert_names(exc, path)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_unwritable_directory(rt: Runtime) -> None:
     """Writing into a read-only directory is SandboxPermissionError (non-root sandboxes)."""
     if await _is_root(rt):
@@ -238,7 +239,7 @@ async def check_unwritable_directory(rt: Runtime) -> None:
     _assert_names(exc, f"{base}/ro/file")
 
 
-@check
+@check(shares_sandbox=True)
 async def check_read_limit(rt: Runtime) -> None:
     """read(max_bytes=) refuses a larger file with OutputLimitExceededError; equal size is fine."""
     path = f"{await _scratch(rt)}/sized"
@@ -248,7 +249,7 @@ async def check_read_limit(rt: Runtime) -> None:
     assert isinstance(exc, OutputLimitExceededError) and exc.limit == 999
 
 
-@check
+@check(shares_sandbox=True)
 async def check_invalid_paths(rt: Runtime) -> None:
     """A NUL byte or an empty path is SandboxInvalidArgumentError, for every file call."""
     for bad in ("a\x00b", ""):
@@ -260,7 +261,7 @@ async def check_invalid_paths(rt: Runtime) -> None:
 # ---------------------------------------------------------------------- files: exists, remove
 
 
-@check
+@check(shares_sandbox=True)
 async def check_exists(rt: Runtime) -> None:
     """exists() is True for files, directories and dangling symlinks; False when missing."""
     base = await _scratch(rt)
@@ -274,7 +275,7 @@ async def check_exists(rt: Runtime) -> None:
     assert not await rt.exists(f"{base}/f/under-a-file")
 
 
-@check
+@check(shares_sandbox=True)
 async def check_remove(rt: Runtime) -> None:
     """remove() deletes files and whole trees; a missing path is SandboxFileNotFoundError."""
     base = await _scratch(rt)
@@ -289,7 +290,7 @@ async def check_remove(rt: Runtime) -> None:
     await rt.remove(f"{base}/tree", missing_ok=True)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_remove_symlink_not_target(rt: Runtime) -> None:
     """remove() of a symlink to a directory removes the link, not the target."""
     base = await _scratch(rt)
@@ -322,7 +323,7 @@ def _read_local_tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
-@check
+@check(shares_sandbox=True)
 async def check_upload_download_tree(rt: Runtime) -> None:
     """upload() then download() of a tree keeps every file, byte for byte, and empty dirs."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -339,7 +340,7 @@ async def check_upload_download_tree(rt: Runtime) -> None:
         assert (dst / "empty-dir").is_dir()
 
 
-@check
+@check(shares_sandbox=True)
 async def check_upload_download_file(rt: Runtime) -> None:
     """upload()/download() of a single file."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -353,7 +354,7 @@ async def check_upload_download_file(rt: Runtime) -> None:
         assert dst.read_bytes() == b"\x00one\xff"
 
 
-@check
+@check(shares_sandbox=True)
 async def check_download_missing(rt: Runtime) -> None:
     """download() of a missing path is SandboxFileNotFoundError naming it."""
     missing = f"{rt.workdir}/missing-{random.randrange(1 << 30)}"
@@ -362,7 +363,7 @@ async def check_download_missing(rt: Runtime) -> None:
     _assert_names(exc, missing)
 
 
-@check
+@check(shares_sandbox=True)
 async def check_concurrent_files(rt: Runtime) -> None:
     """Concurrent writes and reads of different files do not mix."""
     base = await _scratch(rt)
@@ -380,7 +381,7 @@ async def check_concurrent_files(rt: Runtime) -> None:
 # ---------------------------------------------------------------------- lifecycle
 
 
-@check
+@check(shares_sandbox=True)
 async def check_workdir_exists(rt: Runtime) -> None:
     """The workdir is an absolute, existing, writable directory."""
     assert rt.workdir.startswith("/")
@@ -388,7 +389,7 @@ async def check_workdir_exists(rt: Runtime) -> None:
     assert result.exit_code == 0, result
 
 
-@check
+@check(shares_sandbox=False)  # closes the runtime
 async def check_alive_and_closed(rt: Runtime) -> None:
     """alive() is True while open; after close() every call is SandboxUnavailableError."""
     assert await rt.alive()
@@ -405,7 +406,7 @@ async def check_alive_and_closed(rt: Runtime) -> None:
         assert not isinstance(exc, FileNotFoundError)
 
 
-@check
+@check(shares_sandbox=False)  # closes the runtime
 async def check_close_twice(rt: Runtime) -> None:
     """close() twice is harmless."""
     await rt.close()

@@ -28,7 +28,7 @@ async def _cwd(sh: ShellSession) -> str:
     return result.stdout.strip()
 
 
-@check
+@check(shares_sandbox=True)
 async def check_shell_state_persists(rt: Runtime) -> None:
     """A shell session keeps cd, export, functions, aliases, globals and a sourced PATH."""
     scratch = await _scratch(rt)
@@ -70,7 +70,7 @@ async def check_shell_state_persists(rt: Runtime) -> None:
         assert (failed.exit_code, failed.stdout, failed.stderr) == (1, "out\n", "err\n"), failed
 
 
-@check
+@check(shares_sandbox=True)
 async def check_shell_timeout_interrupts_and_continues(rt: Runtime) -> None:
     """A timed-out session command (a sleep, a busy loop) is interrupted; the session lives on."""
     scratch = await _scratch(rt)
@@ -90,7 +90,7 @@ async def check_shell_timeout_interrupts_and_continues(rt: Runtime) -> None:
         assert (after.exit_code, after.stdout) == (0, f"still here\n{scratch}\n"), after
 
 
-@check
+@check(shares_sandbox=True)
 async def check_shell_cancellation_interrupts(rt: Runtime) -> None:
     """Cancelling the task awaiting a session command interrupts it; the session lives on."""
     scratch = await _scratch(rt)
@@ -104,7 +104,7 @@ async def check_shell_cancellation_interrupts(rt: Runtime) -> None:
         assert await _cwd(sh) == scratch
 
 
-@check
+@check(shares_sandbox=True)
 async def check_shell_output_capped(rt: Runtime) -> None:
     """Endless output of a session command stops at output_limit; the session lives on."""
     token = _token()
@@ -122,7 +122,7 @@ async def check_shell_output_capped(rt: Runtime) -> None:
         assert (result.exit_code, result.stdout) == (0, "after\n"), result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_shell_output_byte_exact(rt: Runtime) -> None:
     """Session output is byte-exact: UTF-8 text, all 256 byte values, stderr kept apart."""
     async with rt.shell() as sh:
@@ -139,7 +139,7 @@ async def check_shell_output_byte_exact(rt: Runtime) -> None:
         assert unterminated.stdout_bytes == b"no newline", unterminated
 
 
-@check
+@check(shares_sandbox=True)
 async def check_shell_sessions_side_by_side(rt: Runtime) -> None:
     """Two sessions of one sandbox keep their own state and run at the same time."""
     scratch = await _scratch(rt)
@@ -160,7 +160,7 @@ async def check_shell_sessions_side_by_side(rt: Runtime) -> None:
         assert await _cwd(one) == scratch
 
 
-@check
+@check(shares_sandbox=True)
 async def check_shell_dead_session(rt: Runtime) -> None:
     """A session whose shell exits raises ShellSessionError, then and on every later run."""
     async with rt.shell() as sh:
@@ -181,7 +181,7 @@ async def check_shell_dead_session(rt: Runtime) -> None:
         assert (await fresh.run("echo fresh", timeout=30)).stdout == "fresh\n"
 
 
-@check
+@check(shares_sandbox=True)
 async def check_shell_pty(rt: Runtime) -> None:
     """A pty session has a terminal of the configured size, resize changes it, input= is typed."""
     async with rt.shell(pty=True, size=(30, 100)) as sh:
@@ -198,7 +198,7 @@ async def check_shell_pty(rt: Runtime) -> None:
         assert answered.stdout_bytes == b"got [hi there]\r\n", answered
 
 
-@check
+@check(shares_sandbox=True)
 async def check_shell_close_leaves_nothing(rt: Runtime) -> None:
     """Closing a session ends its shell, its driver and its background jobs (nohup'd ones too)."""
     token = _token()

@@ -20,7 +20,7 @@ class _SourceFailed(Exception):
     """Raised by a check's stdin iterable."""
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_iterable_answers_line_by_line(rt: Runtime) -> None:
     """An interactive program is answered line by line: the second line is yielded only
     after the answer to the first came back."""
@@ -45,7 +45,7 @@ async def check_stdin_iterable_answers_line_by_line(rt: Runtime) -> None:
     assert result.stdout_bytes == b"got one\ngot two\n", result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_iterable_command_exits_first(rt: Runtime) -> None:
     """A command that exits while an endless iterable would still yield returns at once,
     and the iterable is pulled no further."""
@@ -77,7 +77,7 @@ async def check_stdin_iterable_command_exits_first(rt: Runtime) -> None:
     assert anyio.current_time() - started < 10, "exec waited for a silent iterable"
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_iterable_closed_early(rt: Runtime) -> None:
     """A command that closes its stdin and runs on is no error: exec returns its result
     while the endless iterable still yields."""
@@ -95,7 +95,7 @@ async def check_stdin_iterable_closed_early(rt: Runtime) -> None:
     assert result.exit_code == 0 and result.stdout_bytes == b"done\n", result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_iterable_not_read_ahead(rt: Runtime) -> None:
     """An iterable is pulled only as fast as the command reads (host memory stays bounded):
     a command that never reads leaves an endless iterable pulled by a few MiB at most."""
@@ -112,7 +112,7 @@ async def check_stdin_iterable_not_read_ahead(rt: Runtime) -> None:
     assert pulled <= 16 * MiB, f"{pulled / MiB:.1f} MiB pulled for a command that read nothing"
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_iterable_error_kills_tree(rt: Runtime) -> None:
     """An exception raised by the stdin iterable kills the process tree and propagates as
     is; a chunk that is not bytes is a SandboxInvalidArgumentError."""
@@ -145,7 +145,7 @@ async def check_stdin_iterable_error_kills_tree(rt: Runtime) -> None:
     assert result.stdout == "still usable\n", result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_iterable_large_exact(rt: Runtime) -> None:
     """20 MiB yielded in 64 KiB chunks arrive byte-exact (sha256 inside the sandbox)."""
     digest = hashlib.sha256()
@@ -161,7 +161,7 @@ async def check_stdin_iterable_large_exact(rt: Runtime) -> None:
     assert result.stdout.split()[0] == digest.hexdigest(), result
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stdin_iterable_timeout_while_waiting(rt: Runtime) -> None:
     """A timeout that falls while the iterable waits kills the tree: ExecTimeoutError."""
     token = _token()

@@ -45,7 +45,7 @@ _LINES = 30_000
 _NUMBERED = b"".join(b"%d\n" % i for i in range(1, _LINES + 1))
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stream_order_within_stream(rt: Runtime) -> None:
     """Many numbered lines arrive in order and byte-exact; the chunks are the result's stdout,
     and with ``keep_output=False`` the result is empty but the chunks are all there."""
@@ -87,7 +87,7 @@ def _arrival(recorder: _Recorder, stream: Stream, marker: bytes) -> float:
     raise AssertionError(f"{marker!r} never arrived on {stream}: {recorder.seen}")
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stream_interleaving_by_time(rt: Runtime) -> None:
     """stdout and stderr written in turns, with pauses, reach ``on_output`` in the same turns
     as they are written (not buffered to the end, not reordered across streams)."""
@@ -111,7 +111,7 @@ async def check_stream_interleaving_by_time(rt: Runtime) -> None:
 # ---------------------------------------------------------------------- caps, cancellation
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stream_output_cap(rt: Runtime) -> None:
     """An endless writer streamed with a 1 MiB cap raises OutputLimitExceededError (kept or
     not): the chunks seen total exactly the cap, nothing arrives after, the tree is killed."""
@@ -144,7 +144,7 @@ def _ticker(token: str) -> list[str]:
     return ["sh", "-c", f"sleep {token} & while :; do echo tick; sleep 0.02; done"]
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stream_cancellation(rt: Runtime) -> None:
     """Cancelling a streaming exec after its first chunk kills the tree, and no chunk
     arrives once the exec has returned."""
@@ -166,7 +166,7 @@ async def check_stream_cancellation(rt: Runtime) -> None:
     assert (await rt.exec(["echo", "still usable"])).stdout == "still usable\n"
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stream_timeout(rt: Runtime) -> None:
     """A streaming exec that times out with ``keep_output=False`` raises ExecTimeoutError
     (with no output kept) after streaming what came; the tree is killed, nothing more comes."""
@@ -220,7 +220,7 @@ def _traced_peak() -> Iterator[list[int]]:
             tracemalloc.stop()
 
 
-@check
+@check(shares_sandbox=True)
 async def check_stream_constant_memory(rt: Runtime) -> None:
     """64 MiB streamed with ``keep_output=False`` to a consumer that only counts (and stalls
     the event loop now and then) all arrive, and host memory stays bounded below it."""

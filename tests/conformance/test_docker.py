@@ -1,35 +1,28 @@
 """The conformance suite on the docker runtime, against the real engine.
 
-Every check starts its own container from ``vf-sandbox/base:bookworm`` (the offline base
-image; see ``images/build-base.sh``) and removes it afterwards. Each sandbox kind runs twice:
-through the persistent channel (the default; the witness proves the channel carried every
-call) and through the plain exec / archive path (``channel=False``).
+Containers come from ``vf-sandbox/base:bookworm`` (the offline base image; see
+``images/build-base.sh``). The checks marked ``shares_sandbox`` share one container per class
+and event loop; the others (closing the runtime, sweeping its processes) each start their own
+(``docs/conformance.md``). Each sandbox kind runs twice: through the persistent channel (the
+default; the witness proves the channel carried every call) and through the plain exec /
+archive path (``channel=False``).
 """
-
-from collections.abc import Iterator
 
 import pytest
 
 from runtimes.testing import RuntimeConformance
-from tests.channel.support import assert_channel_carried_everything, channel_witness
+
+from .channel import ThroughTheChannel
 
 pytestmark = pytest.mark.docker
 
 
-class _ThroughTheChannel(RuntimeConformance):
-    @pytest.fixture(autouse=True)
-    def _channel_carries_every_call(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-        with channel_witness(monkeypatch) as seen:
-            yield
-        assert_channel_carried_everything(seen)
-
-
-class TestDockerConformance(_ThroughTheChannel):
+class TestDockerConformance(ThroughTheChannel):
     config = {"type": "docker", "image": "vf-sandbox/base:bookworm"}
     anyio_backends = ("asyncio", "trio")
 
 
-class TestDockerNonRootConformance(_ThroughTheChannel):
+class TestDockerNonRootConformance(ThroughTheChannel):
     """A sandbox whose user is not root: the agent runs as that user (and the plain path
     moves files through exec as that user), so the permission checks (skipped for root)
     apply too."""
@@ -43,6 +36,7 @@ class TestDockerNonRootConformance(_ThroughTheChannel):
 class TestDockerConformanceNoChannel(RuntimeConformance):
     config = {"type": "docker", "image": "vf-sandbox/base:bookworm", "channel": False}
     anyio_backends = ("asyncio",)
+    share_sandbox = True
 
 
 class TestDockerNonRootConformanceNoChannel(RuntimeConformance):
@@ -54,3 +48,4 @@ class TestDockerNonRootConformanceNoChannel(RuntimeConformance):
         "channel": False,
     }
     anyio_backends = ("asyncio",)
+    share_sandbox = True

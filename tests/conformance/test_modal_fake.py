@@ -7,41 +7,63 @@ real Modal in ``tests/modal/test_live.py`` when credentials are present.
 
 It runs through the persistent channel (the default: one ``Sandbox.exec`` carrying every
 command and file; the witness proves it carried every call), and again through the plain SDK
-path (``channel=False``: an exec per command, the filesystem API for files).
+path (``channel=False``: an exec per command, the filesystem API for files). The checks marked
+``shares_sandbox`` share one sandbox per class and event loop (``docs/conformance.md``), so the
+fake service serves the whole class.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from runtimes.testing import RuntimeConformance
-from tests.channel.support import assert_channel_carried_everything, channel_witness
-from tests.modal.support import fake_config, fake_modal, fake_service  # noqa: F401 - fixtures
+from tests.modal.fake_modal import FakeModalService, install
+from tests.modal.support import (
+    _sweep_stale_fake_containers,
+    docker_unavailable_reason,
+    fake_config,
+)
+
+from .channel import ThroughTheChannel
 
 pytestmark = pytest.mark.docker
 
 
-class TestModalFakeConformance(RuntimeConformance):
+class _OnTheFakeService(RuntimeConformance):
+    share_sandbox = True
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _fake_modal(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+        """The fake service, installed for the class: set up before the shared sandboxes
+        (autouse), torn down after them."""
+        reason = docker_unavailable_reason()
+        if reason:
+            pytest.fail(f"the fake Modal service runs on Docker: {reason} (`make test` starts it)")
+        _sweep_stale_fake_containers()
+        service = FakeModalService(tmp_path_factory.mktemp("fake-modal-state"))
+        try:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                install(service, monkeypatch)
+                yield
+        finally:
+            service.close()
+
+
+class TestModalFakeConformance(ThroughTheChannel, _OnTheFakeService):
     anyio_backends = ("asyncio", "trio")
 
     @pytest.fixture
-    def runtime_config(self, fake_modal: types.ModuleType) -> dict[str, Any]:  # noqa: F811
+    def runtime_config(self) -> dict[str, Any]:
         return fake_config()
 
-    @pytest.fixture(autouse=True)
-    def _channel_carries_every_call(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-        with channel_witness(monkeypatch) as seen:
-            yield
-        assert_channel_carried_everything(seen)
 
-
-class TestModalFakeConformanceNoChannel(RuntimeConformance):
+class TestModalFakeConformanceNoChannel(_OnTheFakeService):
     anyio_backends = ("asyncio",)
 
     @pytest.fixture
-    def runtime_config(self, fake_modal: types.ModuleType) -> dict[str, Any]:  # noqa: F811
+    def runtime_config(self) -> dict[str, Any]:
         return fake_config(channel=False)

@@ -1,7 +1,8 @@
 """The conformance suite on the ssh runtime, against a real OpenSSH server in a container.
 
-One ``vf-sandbox/sshd`` container serves the module; every check opens its own sandbox
-(a fresh connection and remote directory) with strict host-key checking. Two logins:
+One ``vf-sandbox/sshd`` container serves the module; the checks marked ``shares_sandbox``
+share one sandbox (a connection and remote directory) per class and event loop, the others
+each open their own (``docs/conformance.md``), with strict host-key checking. Two logins:
 
 * ``root`` with an ed25519 key, under asyncio and trio (``user=`` switches via runuser);
 * the unprivileged ``sandbox`` user with its password, under trio, so the checks that
@@ -22,8 +23,9 @@ import pytest
 
 from runtimes.ssh import SSHConfig
 from runtimes.testing import RuntimeConformance
-from tests.channel.support import assert_channel_carried_everything, channel_witness
 from tests.ssh.sshd import IMAGE, SSHServer, image_present
+
+from .channel import ThroughTheChannel
 
 pytestmark = pytest.mark.ssh
 
@@ -36,15 +38,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHServer]:
         yield server
 
 
-class _ThroughTheChannel(RuntimeConformance):
-    @pytest.fixture(autouse=True)
-    def _channel_carries_every_call(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-        with channel_witness(monkeypatch) as seen:
-            yield
-        assert_channel_carried_everything(seen)
-
-
-class TestSSHConformanceRootKey(_ThroughTheChannel):
+class TestSSHConformanceRootKey(ThroughTheChannel):
     anyio_backends = ("asyncio", "trio")
 
     @pytest.fixture
@@ -52,7 +46,7 @@ class TestSSHConformanceRootKey(_ThroughTheChannel):
         return sshd.config()
 
 
-class TestSSHConformanceUserPassword(_ThroughTheChannel):
+class TestSSHConformanceUserPassword(ThroughTheChannel):
     user_variant = True  # see tests/conformance/conftest.py
     anyio_backends = ("trio",)
 
@@ -63,6 +57,7 @@ class TestSSHConformanceUserPassword(_ThroughTheChannel):
 
 class TestSSHConformanceRootKeyNoChannel(RuntimeConformance):
     anyio_backends = ("asyncio",)
+    share_sandbox = True
 
     @pytest.fixture
     def runtime_config(self, sshd: SSHServer) -> SSHConfig:
@@ -72,6 +67,7 @@ class TestSSHConformanceRootKeyNoChannel(RuntimeConformance):
 class TestSSHConformanceUserPasswordNoChannel(RuntimeConformance):
     user_variant = True  # see tests/conformance/conftest.py
     anyio_backends = ("asyncio",)
+    share_sandbox = True
 
     @pytest.fixture
     def runtime_config(self, sshd: SSHServer) -> SSHConfig:
