@@ -220,7 +220,8 @@ async def pool_section(env: Environment) -> tuple[str, list[Row]]:
         "`open_runtime(config).start()`, what a caller without a pool waits for.\n\n"
         + rows_table([latency], tail=0.9)
         + f"\n\nClose latency (n={n}, interleaved): `close()` of a started sandbox (channel up, "
-        "one exec done) returns once the container is paused; its removal runs in the "
+        "one exec done) returns once the root agent killed every process of it (`HALT`); "
+        "its removal runs in the "
         "background (`runtimes.reaper`), measured here to its end with `drain_removals()`; "
         "the baseline is the SDK's `remove(force=True)` of a container started with "
         "`containers.run` and one `exec_run`.\n\n"

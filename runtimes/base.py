@@ -177,11 +177,11 @@ class Runtime(Primitives, Keeping):
     async def close(self) -> None:
         """Destroy the sandbox (release a borrowed one, leave a ``keep=True`` one: :mod:`.keep`).
 
-        Returns once nothing in the sandbox can run any more (sessions ended, channel
-        closed, processes killed or frozen). A backend may finish the removal in the
-        background (Docker does: :mod:`.reaper`); :func:`runtimes.drain_removals` waits
-        for it. Idempotent and shielded: safe to call twice, from a cancelled task, or on
-        a runtime that never started.
+        Returns once nothing in the sandbox runs any more (sessions ended, channel
+        closed, processes killed). A backend may finish the removal in the background
+        (Docker does, when its root agent killed every process: :mod:`.reaper`);
+        :func:`runtimes.drain_removals` waits for it. Idempotent and shielded: safe to
+        call twice, from a cancelled task, or on a runtime that never started.
 
         Raises:
             SandboxTransportError: the backend could not confirm the sandbox is gone;

@@ -340,6 +340,24 @@ class Channel(FramedStream):
         """
         await self._simple(wire.REMOVE, path)
 
+    async def halt(self) -> None:
+        """Have the agent SIGKILL every process it may signal but itself and PID 1.
+
+        Raises:
+            SandboxError: the agent could not (its ``kill(-1)`` failed).
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        pending = self._open()
+        try:
+            self._send(wire.HALT, pending.rid, b"")
+            answer, payload = await self._next(pending, file=True)
+            if answer == wire.ERROR:
+                raise file_error(payload, "kill(-1)", 0)
+            if answer != wire.DONE:
+                raise ChannelLost(f"{self.label}: the channel died during a halt")
+        finally:
+            self._finish(pending)
+
     async def _simple(self, kind: int, path: str) -> bytes:
         pending = self._open()
         try:

@@ -33,6 +33,8 @@ START_TIMEOUT = 20.0
 """Seconds for the agent to say hello after its stream opened."""
 KILL_WAIT = 10.0
 """Seconds to wait for the agent to confirm a kill before the plain path kills instead."""
+HALT_WAIT = 2.0
+"""Seconds close() waits for the agent's HALT before it freezes the sandbox instead."""
 FIRST_PROBE = 1.0
 NEXT_PROBE = 5.0
 """A request that hears nothing for this long asks the backend whether the sandbox still runs

@@ -33,6 +33,7 @@ from ..stdin_feed import StdinTap
 from .core import Channel
 from .framing import current_loop
 from .protocol import (
+    HALT_WAIT,
     KILL_WAIT,
     MAX_RESTARTS,
     RESTART_WINDOW,
@@ -204,6 +205,26 @@ class ChannelSupervisor:
                 self._distrust(f"the agent's interpreter cannot be trusted: {reason}")
                 return
         self._channel = await self._launch()
+
+    async def halt(self, timeout: float = HALT_WAIT) -> bool:
+        """At close: have the running agent SIGKILL every other process of the sandbox but
+        PID 1. ``True`` once it confirmed; ``False`` (nothing done that the caller may count
+        on) when no trusted agent runs, it is not root (it could not signal the others), or
+        it did not confirm within ``timeout`` seconds. Never raises."""
+        chan = self._channel
+        hello = chan.hello if chan is not None else None
+        if chan is None or hello is None or not chan.usable or self._closed or self._distrusted:
+            return False
+        if hello.uid != 0:
+            return False
+        with anyio.move_on_after(timeout):
+            try:
+                await chan.halt()
+            except (SandboxError, ChannelLost, SandboxGone) as exc:
+                log.info("%s: the agent could not halt the sandbox: %s", self._label(), exc)
+                return False
+            return True
+        return False
 
     async def close(self) -> None:
         """Close the channel (before the sandbox goes away)."""

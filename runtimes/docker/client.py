@@ -349,28 +349,6 @@ def remove_container_blocking(api: Any, container_id: str, describe: str) -> Non
             raise SandboxError(f"could not remove {describe}: {_api_message(exc)}") from exc
 
 
-def freeze_container_blocking(api: Any, container_id: str, describe: str) -> bool:
-    """Pause a container so that nothing in it runs any more; ``False`` if it is gone.
-
-    A container that stopped already (or is paused) is as inert as a paused one.
-
-    Raises:
-        SandboxError: the engine could not pause a running container.
-    """
-    import docker.errors
-
-    try:
-        api.pause(container_id)
-    except docker.errors.NotFound:
-        return False
-    except docker.errors.APIError as exc:
-        message = _api_message(exc).lower()
-        if _status(exc) == 409 and ("not running" in message or "already paused" in message):
-            return True
-        raise SandboxError(f"could not pause {describe}: {_api_message(exc)}") from exc
-    return True
-
-
 def list_labelled_blocking(api: Any, backend: str) -> list[SandboxInfo]:
     """Every container carrying the ``vf-sandbox.session`` label on the engine (blocking)."""
     found = []

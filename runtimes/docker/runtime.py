@@ -63,7 +63,6 @@ from .client import (
     _engine_name,
     changed_paths,
     check_running,
-    freeze_container_blocking,
     inspect_container,
     is_running,
     kill_as_root,
@@ -146,6 +145,9 @@ class DockerRuntime(Runtime):
         self._untrusted_image: str | None = None
         """Why the image (a snapshot's) may hold an interpreter that is not the original
         image's: the channel never runs it (see :mod:`.snapshots`)."""
+        self._init_is_pid1 = False
+        self._halted = False
+        """close(): the root agent killed every process but itself and docker-init."""
 
     @property
     def sandbox_id(self) -> str | None:
@@ -248,6 +250,7 @@ class DockerRuntime(Runtime):
             options = container_options(
                 cfg, self.name, init, fork=self._snapshot_source is not None
             )
+            self._init_is_pid1 = bool(init)
             container = await _blocking(
                 lambda: create_and_start_blocking(client, cfg, options, self._record_container),
                 cfg,
@@ -309,27 +312,29 @@ class DockerRuntime(Runtime):
         """Whether close() removes the container: one this runtime created and does not keep."""
         return self._owned and not self._keep and self._container_id is not None
 
+    async def _close_channel(self) -> None:
+        # Before the stream goes: the root agent kills everything but itself and
+        # docker-init (whose child, the keep-alive, dies with the rest: the container stops).
+        # Without docker-init, PID 1 is the keep-alive loop, which would start a new
+        # `sleep` from the sandbox's files: then close() removes the container itself.
+        if self._removes_container() and self._init_is_pid1 and self._channel is not None:
+            self._halted = await self._channel.halt()
+        await super()._close_channel()
+
     async def _close(self) -> None:
-        """Freeze the container on the caller's path and remove it in the background
-        (:mod:`runtimes.reaper`); a container the engine cannot freeze is removed here."""
+        """Remove the container: in the background (:mod:`runtimes.reaper`) when the root
+        agent killed every process of it (:meth:`_close_channel`), nothing of it running any
+        more; else here, on the caller's path (the engine kills and removes it)."""
         if not (self._removes_container() and self._client is not None):
             return
-        try:
-            present = await _blocking(self._freeze_blocking, self.config, idempotent=True)
-        except SandboxTransportError:
-            raise
-        except SandboxError as exc:
-            log.info("%s; removing it now instead", exc)
+        if self._halted:
+            self._remove_in_background()
+        else:
             await _blocking(self._remove_blocking, self.config, idempotent=True)
-            return
-        if present:
-            remove_in_background(
-                self.describe(), lambda: retried_in_this_thread(self._remove_blocking, self.config)
-            )
 
-    def _freeze_blocking(self) -> bool:
-        return freeze_container_blocking(
-            self._require_client().api, self._require_id(), self.describe()
+    def _remove_in_background(self) -> None:
+        remove_in_background(
+            self.describe(), lambda: retried_in_this_thread(self._remove_blocking, self.config)
         )
 
     def _remove_blocking(self) -> None:

@@ -1,9 +1,12 @@
-"""Teardown off the caller's path: ``close()`` returns once the container is frozen, the
-removal runs in the background, finishes at exit, and what a killed process left is swept."""
+"""Teardown off the caller's path: ``close()`` returns once nothing of the sandbox runs — the
+root agent killed every process, the removal then runs in the background, finishes at exit,
+and what a killed process left is swept; without a trusted root agent the container is
+removed on the caller's path as before."""
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -36,22 +39,66 @@ def state_of(client: Any, container_id: str) -> dict[str, Any] | None:
     return state
 
 
-async def test_close_returns_with_nothing_left_running_and_the_removal_follows(
-    docker_client: Any,
+def running_anywhere(token: str) -> list[str]:
+    """Processes on this kernel (the host's and every container's) naming ``token``."""
+    found = subprocess.run(["pgrep", "-af", token], capture_output=True, text=True, check=False)
+    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
+
+
+def leftovers(token: str) -> str:
+    """What a policy leaves: a respawning loop, a setsid'd daemon, a fork loop."""
+    return (
+        f"nohup sh -c 'while :; do sleep {token}; done' >/dev/null 2>&1 & "
+        f"setsid sleep {token} >/dev/null 2>&1 < /dev/null & "
+        f"nohup sh -c 'while :; do sleep {token} & sleep 0.01; done' >/dev/null 2>&1 &"
+    )
+
+
+def new_token() -> str:
+    return f"{random.randint(100, 999)}.{random.randint(10**5, 10**6 - 1)}"
+
+
+@pytest.mark.parametrize(
+    ("config", "user"),
+    [(CONFIG, None), (CONFIG, "vf-policy")],
+    ids=["root-leftovers", "policy-account-leftovers"],
+)
+async def test_close_returns_with_every_process_killed_and_the_removal_follows(
+    docker_client: Any, config: dict[str, Any], user: str | None
 ) -> None:
-    rt = open_runtime(CONFIG)
+    token = new_token()
+    rt = open_runtime(config)
     await rt.start()
-    # A leftover writer that would go on forever: the freeze must stop it at close().
-    loop = "while :; do echo x >> /work/busy; done"
-    await rt.exec(["sh", "-c", f"nohup sh -c '{loop}' >/dev/null 2>&1 &"])
+    await rt.exec(["sh", "-c", leftovers(token)], user=user or rt.policy_user)
+    await anyio.sleep(0.1)
+    assert len(running_anywhere(token)) >= 3
     container_id = rt.sandbox_id
     assert container_id is not None
     await rt.close()
-    state = state_of(docker_client, container_id)
-    assert state is None or state["Paused"] or not state["Running"], state
+    assert running_anywhere(token) == [], "close() returned while the policy's processes ran"
     await drain_removals()
     assert state_of(docker_client, container_id) is None
     assert pending_removals() == 0
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{**CONFIG, "channel": False}, {**CONFIG, "user": "nobody"}, {**CONFIG, "init": False}],
+    ids=["no-channel", "non-root-agent", "no-docker-init"],
+)
+async def test_without_a_root_agent_close_removes_the_container_itself(
+    docker_client: Any, config: dict[str, Any]
+) -> None:
+    token = new_token()
+    rt = open_runtime(config)
+    await rt.start()
+    await rt.exec(["sh", "-c", leftovers(token)])
+    container_id = rt.sandbox_id
+    assert container_id is not None
+    await rt.close()
+    assert pending_removals() == 0, "nothing was left to the background"
+    assert state_of(docker_client, container_id) is None
+    assert running_anywhere(token) == []
 
 
 async def test_many_closes_in_a_row_are_all_removed(docker_client: Any) -> None:
@@ -108,6 +155,8 @@ _CHILD = textwrap.dedent(
         async with anyio.create_task_group() as tg:
             for rt in runtimes:
                 tg.start_soon(rt.start)
+        for rt in runtimes:
+            await rt.exec(["sh", "-c", f"nohup sleep {sys.argv[3]} >/dev/null 2>&1 &"])
         print(ownership.SESSION_ID, flush=True)
         for rt in runtimes:
             await rt.close()
@@ -119,9 +168,9 @@ _CHILD = textwrap.dedent(
 )
 
 
-def run_child(count: int, end: str) -> tuple[int, str]:
+def run_child(count: int, end: str, token: str) -> tuple[int, str]:
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(count), end],
+        [sys.executable, "-c", _CHILD, str(count), end, token],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -134,20 +183,21 @@ def run_child(count: int, end: str) -> tuple[int, str]:
 async def test_a_process_exiting_right_after_close_finishes_its_removals(
     docker_client: Any,
 ) -> None:
-    code, session = await anyio.to_thread.run_sync(run_child, 4, "exits")
+    token = new_token()
+    code, session = await anyio.to_thread.run_sync(run_child, 4, "exits", token)
     assert code == 0, session
     assert session_containers(docker_client, session) == []
+    assert running_anywhere(token) == []
 
 
-async def test_a_process_killed_after_close_leaves_frozen_labelled_containers_for_the_sweep(
+async def test_a_process_killed_after_close_left_no_process_and_labels_for_the_sweep(
     docker_client: Any,
 ) -> None:
-    code, session = await anyio.to_thread.run_sync(run_child, 4, "killed")
+    token = new_token()
+    code, session = await anyio.to_thread.run_sync(run_child, 4, "killed", token)
     assert code == -signal.SIGKILL, session
-    # One listing call: a container whose removal was under way is in it as "removing".
+    assert running_anywhere(token) == [], "every close() had killed its sandbox's processes"
     left = docker_client.api.containers(all=True, filters={"label": f"{SESSION}={session}"})
     assert len(left) <= 4
-    states = [entry["State"] for entry in left]
-    assert set(states) <= {"paused", "removing", "exited", "dead"}, states  # frozen at close
     await cleanup_sandboxes(["docker"])
     assert session_containers(docker_client, session) == []

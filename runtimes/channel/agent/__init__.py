@@ -48,6 +48,8 @@ Requests (host -> agent):
   parents created, then ``DONE``.
 * ``STAT`` (``text path``): ``DONE`` with one byte, 1 if something is there (``lstat``: a
   dangling link exists). ``REMOVE`` (``text path``): a file, a link or a tree, then ``DONE``.
+* ``HALT`` (empty, at close): ``kill(-1, SIGKILL)`` — every process the agent may signal but
+  itself and PID 1, in one call the kernel makes atomic against ``fork`` — then ``DONE``.
 
 ``HELLO`` (request id 0, first frame): ``u32 version, pid, sid, uid, gid, flags | text python
 | text executable`` (flags: 1 non-dumpable). ``DIGEST`` (request id 0, when the host asked at

@@ -11,6 +11,7 @@ import errno
 import hmac
 import os
 import queue
+import signal
 import stat
 import sys
 import threading
@@ -26,6 +27,7 @@ from .wire import (
     DONE,
     EOF,
     EXEC,
+    HALT,
     HEADER,
     HELLO,
     KILL,
@@ -194,6 +196,8 @@ class Agent:
             self.workers.submit(self.stat, rid, PathHeader.from_wire(payload))
         elif kind == REMOVE:
             self.workers.submit(self.remove, rid, PathHeader.from_wire(payload))
+        elif kind == HALT:
+            self.halt(rid)
         else:
             self.out.error(rid, errno.EINVAL, "unsupported", f"unknown frame type {kind}")
 
@@ -222,6 +226,16 @@ class Agent:
             request.kill()
         sys.stderr.flush()
         os._exit(0)
+
+    def halt(self, rid: int) -> None:
+        """Kill everything but this agent and PID 1 (the sandbox is closing)."""
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError as exc:
+            if exc.errno != errno.ESRCH:  # ESRCH: nothing else was running
+                self.out.os_error(rid, exc)
+                return
+        self.out.send(DONE, rid, b"")
 
     # ------------------------------------------------------------------ small requests
 
