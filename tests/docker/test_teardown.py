@@ -6,7 +6,6 @@ removed on the caller's path as before."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from runtimes.cleanup import cleanup_sandboxes
 from runtimes.ownership import SESSION
 from runtimes.reaper import pending_removals
 from tests.docker.conftest import session_containers
+from tests.processes import running_anywhere, sleep_token
 
 pytestmark = [pytest.mark.anyio, pytest.mark.docker, pytest.mark.usefixtures("no_leaks")]
 
@@ -39,12 +39,6 @@ def state_of(client: Any, container_id: str) -> dict[str, Any] | None:
     return state
 
 
-def running_anywhere(token: str) -> list[str]:
-    """Processes on this kernel (the host's and every container's) naming ``token``."""
-    found = subprocess.run(["pgrep", "-af", token], capture_output=True, text=True, check=False)
-    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
-
-
 def leftovers(token: str) -> str:
     """What a policy leaves: a respawning loop, a setsid'd daemon, a fork loop."""
     return (
@@ -52,10 +46,6 @@ def leftovers(token: str) -> str:
         f"setsid sleep {token} >/dev/null 2>&1 < /dev/null & "
         f"nohup sh -c 'while :; do sleep {token} & sleep 0.01; done' >/dev/null 2>&1 &"
     )
-
-
-def new_token() -> str:
-    return f"{random.randint(100, 999)}.{random.randint(10**5, 10**6 - 1)}"
 
 
 @pytest.mark.parametrize(
@@ -66,7 +56,7 @@ def new_token() -> str:
 async def test_close_returns_with_every_process_killed_and_the_removal_follows(
     docker_client: Any, config: dict[str, Any], user: str | None
 ) -> None:
-    token = new_token()
+    token = sleep_token()
     rt = open_runtime(config)
     await rt.start()
     await rt.exec(["sh", "-c", leftovers(token)], user=user or rt.policy_user)
@@ -89,7 +79,7 @@ async def test_close_returns_with_every_process_killed_and_the_removal_follows(
 async def test_without_a_root_agent_close_removes_the_container_itself(
     docker_client: Any, config: dict[str, Any]
 ) -> None:
-    token = new_token()
+    token = sleep_token()
     rt = open_runtime(config)
     await rt.start()
     await rt.exec(["sh", "-c", leftovers(token)])
@@ -183,7 +173,7 @@ def run_child(count: int, end: str, token: str) -> tuple[int, str]:
 async def test_a_process_exiting_right_after_close_finishes_its_removals(
     docker_client: Any,
 ) -> None:
-    token = new_token()
+    token = sleep_token()
     code, session = await anyio.to_thread.run_sync(run_child, 4, "exits", token)
     assert code == 0, session
     assert session_containers(docker_client, session) == []
@@ -193,7 +183,7 @@ async def test_a_process_exiting_right_after_close_finishes_its_removals(
 async def test_a_process_killed_after_close_left_no_process_and_labels_for_the_sweep(
     docker_client: Any,
 ) -> None:
-    token = new_token()
+    token = sleep_token()
     code, session = await anyio.to_thread.run_sync(run_child, 4, "killed", token)
     assert code == -signal.SIGKILL, session
     assert running_anywhere(token) == [], "every close() had killed its sandbox's processes"

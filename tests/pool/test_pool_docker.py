@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from runtimes.lifecycle import State
 from runtimes.pool import POOL, RuntimePool
 from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
 from runtimes.reaper import drain_removals
+from tests.processes import running_anywhere, sleep_token
 
 from .conftest import Starts
 
@@ -63,17 +63,11 @@ def pool_containers(client: Any, pool_id: str) -> list[Any]:
     return found
 
 
-def running_anywhere(token: str) -> list[str]:
-    """Processes on this kernel (the host's and every container's) naming ``token``."""
-    found = subprocess.run(["pgrep", "-af", token], capture_output=True, text=True, check=False)
-    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
-
-
 async def test_acquire_hands_out_distinct_started_containers_removed_after_their_block(
     starts: Starts, docker_client: Any
 ) -> None:
     ids: list[str] = []
-    token = f"{random.randint(100, 999)}.{random.randint(10**5, 10**6 - 1)}"
+    token = sleep_token()
     async with RuntimePool(CONFIG, size=2, max_create_concurrency=2) as pool:
         await pool.wait_ready()
         labelled = pool_containers(docker_client, pool.id)

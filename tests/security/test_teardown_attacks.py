@@ -8,25 +8,18 @@ returns, and its container gone once the background removal ran.
 
 from __future__ import annotations
 
-import random
-import subprocess
 from typing import Any
 
 import anyio
 import pytest
 
 from runtimes import drain_removals, open_runtime
+from tests.processes import running_anywhere, sleep_token
 from tests.security.conftest import Hostile
 
 pytestmark = [pytest.mark.anyio, pytest.mark.docker]
 
 DOCKER_TARGETS = ["docker-root", "docker-user"]
-
-
-def running_anywhere(token: str) -> list[str]:
-    """Processes on this kernel (the host's and every container's) naming ``token``."""
-    found = subprocess.run(["pgrep", "-af", token], capture_output=True, text=True, check=False)
-    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
 
 
 def container_state(container_id: str) -> dict[str, Any] | None:
@@ -57,7 +50,7 @@ def stay_alive(token: str) -> str:
 async def test_nothing_of_the_policy_runs_once_close_returns(
     hostile: Hostile, kill_agent: bool
 ) -> None:
-    token = f"{random.randint(100, 999)}.{random.randint(10**5, 10**6 - 1)}"
+    token = sleep_token()
     rt = open_runtime(hostile.config)
     await rt.start()
     try:
