@@ -14,18 +14,29 @@ from contextlib import contextmanager
 import pytest
 
 from runtimes.channel import ChannelInfo, ChannelSupervisor
+from runtimes.channel.protocol import HALT_WAIT
 
 
 @contextmanager
 def channel_witness(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[ChannelInfo]]:
-    """Yield the list of :class:`ChannelInfo` of every runtime closed meanwhile."""
+    """Yield the list of :class:`ChannelInfo` of every runtime closed meanwhile, as it was
+    when the runtime's use ended: at the ``HALT`` that kills the sandbox's processes (Docker's
+    close: the agent is gone right after) or else at the channel's close."""
     seen: list[ChannelInfo] = []
-    original = ChannelSupervisor.close
+    halted: set[int] = set()
+    original_halt, original_close = ChannelSupervisor.halt, ChannelSupervisor.close
+
+    async def halt(self: ChannelSupervisor, timeout: float = HALT_WAIT) -> bool:
+        seen.append(self.info)
+        halted.add(id(self))
+        return await original_halt(self, timeout)
 
     async def close(self: ChannelSupervisor) -> None:
-        seen.append(self.info)
-        await original(self)
+        if id(self) not in halted:
+            seen.append(self.info)
+        await original_close(self)
 
+    monkeypatch.setattr(ChannelSupervisor, "halt", halt)
     monkeypatch.setattr(ChannelSupervisor, "close", close)
     yield seen
 

@@ -67,7 +67,6 @@ async def test_acquire_hands_out_distinct_started_containers_removed_after_their
     starts: Starts, docker_client: Any
 ) -> None:
     ids: list[str] = []
-    token = sleep_token()
     async with RuntimePool(CONFIG, size=2, max_create_concurrency=2) as pool:
         await pool.wait_ready()
         labelled = pool_containers(docker_client, pool.id)
@@ -81,6 +80,7 @@ async def test_acquire_hands_out_distinct_started_containers_removed_after_their
                 assert result.exit_code == 0, "another acquirer used this container"
                 assert rt.sandbox_id is not None
                 ids.append(rt.sandbox_id)
+                token = sleep_token()  # this acquirer's own: the others run concurrently
                 await rt.exec(["sh", "-c", f"nohup sleep {token} >/dev/null 2>&1 &"])
             assert not running_anywhere(token), "nothing of it runs at the block's end"
 

@@ -79,7 +79,17 @@ def _stop(server: SSHServer) -> None:
 
 
 def _pause(server: SSHServer) -> None:
-    server.wrapped.pause()
+    import docker.errors
+
+    for attempt in range(5):
+        try:
+            server.wrapped.pause()
+            return
+        except docker.errors.APIError as exc:
+            # runc's cgroup-v1 freezer gives up on a busy machine ("unable to freeze") and
+            # thaws again: the fault was not injected yet, so it is tried again.
+            if "unable to freeze" not in str(exc) or attempt == 4:
+                raise
 
 
 FAULTS: dict[str, Callable[[SSHServer], None]] = {

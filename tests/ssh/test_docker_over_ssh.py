@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from runtimes import open_runtime
+from runtimes import drain_removals, open_runtime
 from tests.ssh.sshd import SSHServer
 
 pytestmark = pytest.mark.anyio
@@ -59,6 +59,7 @@ async def test_docker_runtime_through_an_ssh_engine(engine_host: str) -> None:
             await rt.read("/tmp/over-ssh/missing")
         container = rt.sandbox_id
     assert container is not None
+    await drain_removals()  # removed in the background, over the same ssh:// engine
     import docker
 
     client = docker.from_env()
