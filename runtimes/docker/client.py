@@ -164,21 +164,22 @@ async def _blocking(
 
     if not idempotent or config.retries == 0:
         return await once()
-    from tenacity import (
-        AsyncRetrying,
-        retry_if_exception_type,
-        stop_after_attempt,
-        wait_exponential,
-    )
+    from tenacity import AsyncRetrying
 
-    retrying = AsyncRetrying(
-        retry=retry_if_exception_type(SandboxTransportError),
-        stop=stop_after_attempt(config.retries + 1),
-        wait=wait_exponential(multiplier=0.1, max=2.0),
-        sleep=anyio.sleep,
-        reraise=True,
-    )
-    return await retrying(once)
+    return await AsyncRetrying(sleep=anyio.sleep, **_transport_retries(config))(once)
+
+
+def _transport_retries(config: DockerConfig) -> dict[str, Any]:
+    """tenacity's arguments for an idempotent engine call: transport errors only, bounded,
+    exponential backoff."""
+    from tenacity import retry_if_exception_type, stop_after_attempt, wait_exponential
+
+    return {
+        "retry": retry_if_exception_type(SandboxTransportError),
+        "stop": stop_after_attempt(config.retries + 1),
+        "wait": wait_exponential(multiplier=0.1, max=2.0),
+        "reraise": True,
+    }
 
 
 def retried_in_this_thread(fn: Callable[[], T], config: DockerConfig) -> T:
@@ -191,15 +192,9 @@ def retried_in_this_thread(fn: Callable[[], T], config: DockerConfig) -> T:
     guarded = _transport_guard(fn, _engine_name(config))
     if config.retries == 0:
         return guarded()
-    from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+    from tenacity import Retrying
 
-    retrying = Retrying(
-        retry=retry_if_exception_type(SandboxTransportError),
-        stop=stop_after_attempt(config.retries + 1),
-        wait=wait_exponential(multiplier=0.1, max=2.0),
-        reraise=True,
-    )
-    return retrying(guarded)
+    return Retrying(**_transport_retries(config))(guarded)
 
 
 def _api_message(exc: docker.errors.APIError) -> str:

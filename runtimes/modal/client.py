@@ -10,6 +10,7 @@ import asyncio
 import errno
 import functools
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,6 +38,29 @@ TRANSPORT_ATTEMPTS = 3
 """Attempts for idempotent calls (file operations, liveness) when the channel fails."""
 
 _DIAGNOSE_SCRIPT = load("diagnose", "runtimes.modal.scripts")
+
+
+def run_bounded_at_exit(fn: Callable[[], None], what: str, thread_name: str) -> None:
+    """Run a blocking SDK call in a daemon thread for at most :data:`KILL_TIMEOUT` seconds
+    (exit backstops: a hung Modal call must not hold the interpreter's exit).
+
+    Raises:
+        SandboxError: ``fn`` raised, or did not return in time (``what`` names the call).
+    """
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below, from the calling thread
+            failures.append(exc)
+
+    worker = threading.Thread(target=run, name=thread_name, daemon=True)
+    worker.start()
+    worker.join(KILL_TIMEOUT)
+    if worker.is_alive() or failures:
+        reason = repr(failures[0]) if failures else f"no answer in {KILL_TIMEOUT:g}s"
+        raise SandboxError(f"{what} failed: {reason}")
 
 
 def _modal() -> Any:

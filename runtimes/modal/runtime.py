@@ -4,7 +4,6 @@ terminated on close (its exec and file halves are in ``process.py`` and ``files.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from .client import (
     _exception_module,
     _is_transport_error,
     _sweep_error,
+    run_bounded_at_exit,
 )
 from .config import ModalConfig, _is_dockerfile
 from .files import _ModalFiles
@@ -345,20 +345,9 @@ class ModalRuntime(_ModalExec, _ModalFiles):
         Raises:
             SandboxError: the termination failed or did not answer in time.
         """
-        failures: list[BaseException] = []
-
-        def terminate() -> None:
-            try:
-                sandbox.terminate()
-            except BaseException as exc:  # noqa: BLE001 - reported below, from the main thread
-                failures.append(exc)
-
-        worker = threading.Thread(target=terminate, name="vf-modal-atexit", daemon=True)
-        worker.start()
-        worker.join(KILL_TIMEOUT)
-        if worker.is_alive() or failures:
-            reason = repr(failures[0]) if failures else f"no answer in {KILL_TIMEOUT:g}s"
-            raise SandboxError(f"{self.describe()}: terminate at exit failed: {reason}")
+        run_bounded_at_exit(
+            sandbox.terminate, f"{self.describe()}: terminate at exit", "vf-modal-atexit"
+        )
 
     # ------------------------------------------------------------------ snapshots
 

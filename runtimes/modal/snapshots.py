@@ -14,14 +14,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import threading
 from typing import Any
 
 from .. import ownership
-from ..errors import ProvisioningError, SandboxError
+from ..errors import ProvisioningError
 from ..snapshot import SandboxSnapshot, SnapshotNotFoundError, snapshot_from_labels
 from . import client
-from .client import KILL_TIMEOUT, _call, _collect, _sweep_error
+from .client import _call, _collect, _sweep_error, run_bounded_at_exit
 from .config import ModalConfig
 
 
@@ -134,7 +133,6 @@ def delete_recorded_blocking(cfg: ModalConfig, snapshot: SandboxSnapshot) -> Non
     Raises:
         SandboxError: the deletion failed or did not answer in time.
     """
-    failures: list[BaseException] = []
 
     def delete() -> None:
         modal = client._modal()
@@ -146,12 +144,7 @@ def delete_recorded_blocking(cfg: ModalConfig, snapshot: SandboxSnapshot) -> Non
                 records.pop(snapshot.id, None)
         except modal.exception.NotFoundError:
             return
-        except BaseException as exc:  # noqa: BLE001 - reported below, from the calling thread
-            failures.append(exc)
 
-    worker = threading.Thread(target=delete, name="vf-modal-snapshot-atexit", daemon=True)
-    worker.start()
-    worker.join(KILL_TIMEOUT)
-    if worker.is_alive() or failures:
-        reason = repr(failures[0]) if failures else f"no answer in {KILL_TIMEOUT:g}s"
-        raise SandboxError(f"removing {snapshot.describe()} at exit failed: {reason}")
+    run_bounded_at_exit(
+        delete, f"removing {snapshot.describe()} at exit", "vf-modal-snapshot-atexit"
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -24,6 +23,7 @@ import pytest
 from runtimes import Runtime, ownership
 from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
 from runtimes.reaper import drain_removals_blocking
+from tests.processes import sleep_token
 from tests.ssh.sshd import IMAGE as SSHD_IMAGE
 from tests.ssh.sshd import SSHServer, image_present
 
@@ -141,9 +141,8 @@ def shared_sshd(tmp_path_factory: pytest.TempPathFactory, sshd_image: str) -> It
 # ---------------------------------------------------------------------- processes in a sandbox
 
 
-def token() -> str:
-    """A unique sleep duration: ``sleep <token>`` is findable with ps, and nothing else is."""
-    return f"{random.randint(100, 999)}.{random.randint(10**5, 10**6 - 1)}"
+token = sleep_token
+"""A unique sleep duration: ``sleep <token>`` is findable with ps, and nothing else is."""
 
 
 async def processes_matching(rt: Runtime, needle: str) -> list[str]:

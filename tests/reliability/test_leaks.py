@@ -41,6 +41,7 @@ from runtimes.registry import resolve_runtime_config
 from runtimes.subprocess import default_root
 from tests.modal.fake_modal import FAKE_LABEL, FakeModalService
 from tests.modal.support import fake_config, fake_modal, fake_service  # noqa: F401 - fixtures
+from tests.processes import running_anywhere
 from tests.ssh.sshd import SSHServer
 
 from .conftest import REPO, TALLY, session_containers, token
@@ -73,12 +74,6 @@ def _cli(*args: str, fake_state: Path | None = None) -> subprocess.CompletedProc
     else:
         argv = [sys.executable, "-m", "tests.reliability.fake_modal_cli", str(fake_state), *args]
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=180)
-
-
-def _processes_anywhere(mark: str) -> list[str]:
-    """``sleep <mark>`` processes on this kernel: the host's and every container's."""
-    found = subprocess.run(["pgrep", "-af", f"sleep {mark}"], capture_output=True, text=True)
-    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
 
 
 def _remote_processes(server: SSHServer, mark: str) -> list[str]:
@@ -286,7 +281,7 @@ def _check_swept(
     # ... and it is all really there, each where its backend keeps it.
     before = _left(held, server, fake, client, session)
     assert before == _everything(held)
-    assert len(_processes_anywhere(mark)) == (PER_BACKEND + 1) * len(held), "plain + held"
+    assert len(running_anywhere(f"sleep {mark}")) == (PER_BACKEND + 1) * len(held), "plain + held"
     assert len(_remote_processes(server, mark)) == PER_BACKEND + 1
 
     started = time.monotonic()
@@ -310,7 +305,10 @@ def _check_swept(
     left = _left(held, server, fake, client, session)
     assert left == {key: [] for key in before}, left
     assert _listed(configs, session) == {b: _Listing({}, set()) for b in configs}
-    processes = {"anywhere": _processes_anywhere(mark), "ssh host": _remote_processes(server, mark)}
+    processes = {
+        "anywhere": running_anywhere(f"sleep {mark}"),
+        "ssh host": _remote_processes(server, mark),
+    }
     assert processes == {"anywhere": [], "ssh host": []}, processes
     sandboxes = sum(len(h.sandboxes) for h in held.values())
     TALLY.add("leaks: sandboxes SIGKILLed then swept", sandboxes)
