@@ -344,7 +344,8 @@ class Channel(FramedStream):
         """Have the agent SIGKILL every process it may signal but itself and PID 1.
 
         Raises:
-            SandboxError: the agent could not (its ``kill(-1)`` failed).
+            SandboxError: the agent could not (its ``kill(-1)`` failed, or a process outlived
+                its SIGKILL: ``ETIMEDOUT``).
             ChannelLost / SandboxGone: for the supervisor to handle.
         """
         pending = self._open()

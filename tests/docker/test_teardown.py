@@ -39,6 +39,22 @@ def state_of(client: Any, container_id: str) -> dict[str, Any] | None:
     return state
 
 
+@pytest.fixture
+def halted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The sandboxes whose removal went to the background: the agent confirmed its HALT."""
+    from runtimes.docker import runtime as docker_runtime
+
+    queued: list[str] = []
+    real = docker_runtime.remove_in_background
+
+    def record(describe: str, remove: Any) -> None:
+        queued.append(describe)
+        real(describe, remove)
+
+    monkeypatch.setattr(docker_runtime, "remove_in_background", record)
+    return queued
+
+
 def leftovers(token: str) -> str:
     """What a policy leaves: a respawning loop, a setsid'd daemon, a fork loop."""
     return (
@@ -54,7 +70,7 @@ def leftovers(token: str) -> str:
     ids=["root-leftovers", "policy-account-leftovers"],
 )
 async def test_close_returns_with_every_process_killed_and_the_removal_follows(
-    docker_client: Any, config: dict[str, Any], user: str | None
+    docker_client: Any, config: dict[str, Any], user: str | None, halted: list[str]
 ) -> None:
     token = sleep_token()
     rt = open_runtime(config)
@@ -66,6 +82,7 @@ async def test_close_returns_with_every_process_killed_and_the_removal_follows(
     assert container_id is not None
     await rt.close()
     assert running_anywhere(token) == [], "close() returned while the policy's processes ran"
+    assert len(halted) == 1, "the agent confirmed: the removal went to the background"
     await drain_removals()
     assert state_of(docker_client, container_id) is None
     assert pending_removals() == 0
@@ -89,6 +106,43 @@ async def test_without_a_root_agent_close_removes_the_container_itself(
     assert pending_removals() == 0, "nothing was left to the background"
     assert state_of(docker_client, container_id) is None
     assert running_anywhere(token) == []
+
+
+async def test_close_on_a_loaded_host_returns_only_once_every_process_died(
+    docker_client: Any, halted: list[str]
+) -> None:
+    """``kill`` returns once the signal is queued: a process dies when it next runs, still
+    listed with its command line until then. Busy loops in several sandboxes closing at once
+    keep both cores taken and widen that window; close() must wait it out."""
+    tokens = [sleep_token() for _ in range(3)]
+    runtimes = [open_runtime(CONFIG) for _ in tokens]
+    survivors: list[str] = []
+
+    async def close(rt: Any, token: str) -> None:
+        await rt.close()
+        survivors.extend(running_anywhere(token))
+
+    try:
+        async with anyio.create_task_group() as group:
+            for rt in runtimes:
+                group.start_soon(rt.start)
+        for rt, token in zip(runtimes, tokens, strict=True):
+            busy = f"sh -c 'while :; do :; done' {token}"
+            spawn = f"for i in {' '.join(map(str, range(40)))}; do {busy} & sleep {token} & done"
+            await rt.exec(["sh", "-c", f'nohup sh -c "{spawn}" >/dev/null 2>&1 &'])
+        for _ in range(150):  # 30 s at most: the busy loops slow their own start
+            if all(len(running_anywhere(token)) >= 80 for token in tokens):
+                break
+            await anyio.sleep(0.2)
+        else:
+            raise AssertionError("the sandboxes' processes never all started")
+    finally:
+        async with anyio.create_task_group() as group:
+            for rt, token in zip(runtimes, tokens, strict=True):
+                group.start_soon(close, rt, token)
+    assert survivors == [], "close() returned while processes of the sandbox still ran"
+    assert len(halted) == len(runtimes), "every agent confirmed its HALT"
+    await drain_removals()
 
 
 async def test_many_closes_in_a_row_are_all_removed(docker_client: Any) -> None:

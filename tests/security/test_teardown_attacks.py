@@ -1,9 +1,10 @@
 """Leftovers that try to outlive ``close()`` on Docker (attack class 6).
 
-``close()`` returns once nothing of the sandbox runs: the root agent's ``kill(-1)`` or, when
-no trusted root agent is there, the engine's removal on the caller's path. A policy that kills
-the agent first, respawns, detaches or forks as fast as it can must be dead when ``close()``
-returns, and its container gone once the background removal ran.
+``close()`` returns once nothing of the sandbox runs: the root agent freezes every process
+(``kill(-1, SIGSTOP)``), SIGKILLs them and confirms once ``/proc`` lists none but zombies; or,
+when no trusted root agent is there, the engine's removal runs on the caller's path. A policy
+that kills the agent first, respawns, detaches or forks as fast as it can must be dead when
+``close()`` returns, and its container gone once the background removal ran.
 """
 
 from __future__ import annotations

@@ -48,8 +48,11 @@ Requests (host -> agent):
   parents created, then ``DONE``.
 * ``STAT`` (``text path``): ``DONE`` with one byte, 1 if something is there (``lstat``: a
   dangling link exists). ``REMOVE`` (``text path``): a file, a link or a tree, then ``DONE``.
-* ``HALT`` (empty, at close): ``kill(-1, SIGKILL)`` — every process the agent may signal but
-  itself and PID 1, in one call the kernel makes atomic against ``fork`` — then ``DONE``.
+* ``HALT`` (empty, at close): ``kill(-1, SIGSTOP)`` — every process the agent may signal but
+  itself and PID 1, in one call the kernel makes atomic against ``fork`` — then SIGKILL to all
+  but the keep-alive until ``/proc`` lists no other process but zombies (a signalled process
+  dies when it next runs), ``DONE``, and the keep-alive's SIGKILL; ``ERROR`` (``ETIMEDOUT``) if
+  one still runs after ``HALT_SETTLE`` seconds.
 
 ``HELLO`` (request id 0, first frame): ``u32 version, pid, sid, uid, gid, flags | text python
 | text executable`` (flags: 1 non-dumpable). ``DIGEST`` (request id 0, when the host asked at
@@ -74,7 +77,7 @@ import ast
 from functools import cache
 from pathlib import Path
 
-PARTS = ("wire", "stream", "output", "execute", "files", "relay", "serve", "main")
+PARTS = ("wire", "stream", "output", "procs", "execute", "files", "relay", "serve", "main")
 """The agent's parts, in the order they are joined: a part only uses names of earlier parts
 at import time (class bases, module constants)."""
 

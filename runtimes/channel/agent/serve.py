@@ -7,6 +7,7 @@ Python >= 3.8; never imported by the host.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hmac
 import os
@@ -15,11 +16,13 @@ import signal
 import stat
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from .execute import Exec
 from .files import Read, Write
 from .output import Output, Refused
+from .procs import container_command, kill_running
 from .relay import Listener
 from .wire import (
     ALERT,
@@ -56,6 +59,8 @@ from .wire import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+HALT_SETTLE = 1.5
+"""Seconds HALT waits for the killed processes to be gone (the host waits ``HALT_WAIT``)."""
 INPUT_CHUNK = 1024 * 1024
 
 
@@ -228,14 +233,37 @@ class Agent:
         os._exit(0)
 
     def halt(self, rid: int) -> None:
-        """Kill everything but this agent and PID 1 (the sandbox is closing)."""
+        """Kill everything but this agent and PID 1 (the sandbox is closing); confirm only
+        once nothing of it runs any more.
+
+        ``kill(-1, SIGSTOP)`` first: one call the kernel makes atomic against ``fork``, after
+        which no other process runs or forks. Then every process is SIGKILLed but the
+        keep-alive (whose exit would end the container, and this agent, before it could
+        confirm: frozen, it waits), until ``/proc`` lists none but zombies — ``kill`` returns
+        once the signal is queued, a process dies when it next runs, and on a loaded host
+        that can be milliseconds later. ``DONE``; then the keep-alive goes, and with it the
+        container. ``ETIMEDOUT`` if a process outlives ``HALT_SETTLE`` seconds.
+        """
         try:
-            os.kill(-1, signal.SIGKILL)
+            os.kill(-1, signal.SIGSTOP)
         except OSError as exc:
             if exc.errno != errno.ESRCH:  # ESRCH: nothing else was running
                 self.out.os_error(rid, exc)
                 return
+        keep_alive = container_command()
+        spared = {1, os.getpid(), keep_alive or 1}
+        deadline = time.monotonic() + HALT_SETTLE
+        while (survivor := kill_running(spared)) is not None:
+            if time.monotonic() > deadline:
+                self.out.os_error(
+                    rid, OSError(errno.ETIMEDOUT, f"process {survivor} outlived SIGKILL")
+                )
+                return
+            time.sleep(0.001)
         self.out.send(DONE, rid, b"")
+        if keep_alive is not None:
+            with contextlib.suppress(OSError):
+                os.kill(keep_alive, signal.SIGKILL)
 
     # ------------------------------------------------------------------ small requests
 

@@ -46,8 +46,8 @@ exited); the host stops sending DATA for it."""
 # the relay: LISTEN host -> agent, OPENED agent -> host, the rest both ways
 LISTEN = 9
 HALT = 10
-"""Host -> agent, at close: SIGKILL every process the agent may signal but itself and PID 1
-(``kill(-1)``), then ``DONE``."""
+"""Host -> agent, at close: freeze (``kill(-1, SIGSTOP)``), then SIGKILL every process the
+agent may signal but itself and PID 1; ``DONE`` once none runs any more."""
 OPENED = 75
 R_DATA, R_ACK, R_EOF, R_CLOSE = 32, 33, 34, 35
 RELAY_KINDS = frozenset((OPENED, R_DATA, R_ACK, R_EOF, R_CLOSE))
