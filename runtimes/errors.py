@@ -31,8 +31,10 @@ __all__ = [
     "SandboxFileNotFoundError",
     "SandboxInvalidArgumentError",
     "SandboxIsADirectoryError",
+    "SandboxNoSpaceError",
     "SandboxNotADirectoryError",
     "SandboxPermissionError",
+    "SandboxProcessLimitError",
     "SandboxResourceError",
     "SandboxTransportError",
     "SandboxUnavailableError",
@@ -109,6 +111,40 @@ class SandboxFileExistsError(_SandboxOSError, FileExistsError):
     """The target exists and the operation refuses to replace it."""
 
     default_errno = _errno.EEXIST
+
+
+class SandboxNoSpaceError(_SandboxOSError):
+    """A write of the runtime's own (``write``, ``upload``) ran out of room: the sandbox's
+    disk quota (Docker's ``disk=``) or its filesystem is full. ``errno`` is ``ENOSPC``
+    (``EDQUOT`` for a user's quota); nothing of the write was left behind where the backend
+    writes through a temporary file. A command that runs out of room gets the same errno in
+    its own output and exit code: that is a result, not this error."""
+
+    default_errno = _errno.ENOSPC
+
+
+class SandboxProcessLimitError(_SandboxOSError, BlockingIOError):
+    """A command could not start: the sandbox is at its process limit (Docker's
+    ``pids_limit``), so no process (or no thread to serve it) could be made. Like the
+    ``BlockingIOError`` that ``fork`` raises there: ``errno`` is ``EAGAIN`` and
+    ``filename`` the program. ``limit`` is ``"pids"``, ``setting`` the limit in force when
+    the sandbox could tell (``"64"``), else ``None``. Nothing was started; the sandbox
+    stays usable, and ``stop_processes()`` frees it."""
+
+    default_errno = _errno.EAGAIN
+    limit = "pids"
+
+    def __init__(self, filename: str, setting: str | None = None) -> None:
+        value = f" of {setting}" if setting else ""
+        super().__init__(
+            filename,
+            f"the sandbox is at its process limit (pids_limit){value}: "
+            "stop_processes() kills what fills it",
+        )
+        self.setting = setting
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.filename, self.setting))
 
 
 class SandboxInvalidArgumentError(SandboxError, ValueError):
@@ -350,6 +386,8 @@ _ERRNO_CLASSES: dict[int, type[_SandboxOSError]] = {
     _errno.EROFS: SandboxPermissionError,
     _errno.EEXIST: SandboxFileExistsError,
     _errno.ENOTEMPTY: SandboxFileExistsError,
+    _errno.ENOSPC: SandboxNoSpaceError,
+    _errno.EDQUOT: SandboxNoSpaceError,
 }
 
 

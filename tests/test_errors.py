@@ -27,6 +27,36 @@ def test_file_errors_are_builtins_with_errno_and_filename(cls, builtin, code) ->
         raise err
 
 
+def test_no_space_is_an_oserror_with_enospc_or_edquot() -> None:
+    full = E.error_for_errno(errno.ENOSPC, "/work/big")
+    assert type(full) is E.SandboxNoSpaceError
+    assert isinstance(full, OSError) and not isinstance(full, PermissionError)
+    assert (full.errno, full.filename) == (errno.ENOSPC, "/work/big")
+    assert str(full) == "[Errno 28] No space left on device: '/work/big'"
+    quota = E.error_for_errno(errno.EDQUOT, "/work/big")
+    assert type(quota) is E.SandboxNoSpaceError and quota.errno == errno.EDQUOT
+    again = pickle.loads(pickle.dumps(quota))
+    assert type(again) is E.SandboxNoSpaceError and again.errno == errno.EDQUOT
+
+
+def test_the_process_limit_is_a_blocking_io_error_naming_the_limit() -> None:
+    err = E.SandboxProcessLimitError("make", "64")
+    assert isinstance(err, BlockingIOError) and isinstance(err, E.SandboxError)
+    assert (err.errno, err.filename, err.limit, err.setting) == (errno.EAGAIN, "make", "pids", "64")
+    assert "process limit (pids_limit) of 64" in str(err) and "stop_processes()" in str(err)
+    unknown = E.SandboxProcessLimitError("make")
+    assert unknown.setting is None and "process limit (pids_limit): stop" in str(unknown)
+    again = pickle.loads(pickle.dumps(err))
+    assert (type(again), again.setting, again.errno, str(again)) == (
+        E.SandboxProcessLimitError,
+        "64",
+        errno.EAGAIN,
+        str(err),
+    )
+    # EAGAIN on a file is not the process limit: only the exec paths raise this.
+    assert type(E.error_for_errno(errno.EAGAIN, "/x")) is E.SandboxError
+
+
 def test_other_errors_match_their_builtins() -> None:
     assert isinstance(E.ExecTimeoutError(["sleep", "9"], 1.0), TimeoutError)
     assert isinstance(E.SandboxTransportError("x"), ConnectionError)

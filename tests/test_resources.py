@@ -83,8 +83,9 @@ def test_issue_example_2048_means_2_gib_on_docker_and_modal() -> None:
 
 
 def test_no_limit_means_no_engine_option() -> None:
-    options = container_options(resolve({"type": "docker"}), "docker", init=True)
-    assert not {"mem_limit", "nano_cpus", "pids_limit"} & set(options)
+    config = resolve({"type": "docker", "memory": None, "pids_limit": None})
+    options = container_options(config, "docker", init=True)
+    assert not {"mem_limit", "memswap_limit", "nano_cpus", "pids_limit"} & set(options)
 
 
 def test_limits_on_an_attached_container_are_refused_not_ignored() -> None:

@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from ..errors import HostRouteError, OutputLimitExceededError, SandboxError
+from ..errors import (
+    HostRouteError,
+    OutputLimitExceededError,
+    SandboxError,
+    SandboxProcessLimitError,
+)
 from ..models import ExecRequest, OutputSink
 from ..stdin_feed import feed_stdin, run_beside
 from .agent import wire
@@ -22,6 +27,7 @@ from .agent.wire import (
     ListenHeader,
     PathHeader,
     ReadHeader,
+    SweepHeader,
     WriteHeader,
 )
 from .framing import LOST, Frame, FramedStream, PendingRequest
@@ -180,7 +186,7 @@ class Channel(FramedStream):
                 return int(I32.unpack(payload)[0])
             elif kind == wire.ERROR:
                 state.finished = True
-                raise exec_error(payload, request)
+                raise _exec_error(payload, request)
             elif kind == LOST:
                 state.finished = True
                 raise ChannelLost(f"{self.label}: the channel died during an exec", state.pgid)
@@ -276,7 +282,7 @@ class Channel(FramedStream):
                     return b"".join(parts)
                 elif kind == wire.ERROR:
                     done = True
-                    raise file_error(payload, path, limit)
+                    raise _file_error(payload, path, limit)
                 elif kind == LOST:
                     done = True
                     raise ChannelLost(f"{self.label}: the channel died during a read")
@@ -312,7 +318,7 @@ class Channel(FramedStream):
                     return
                 elif kind == wire.ERROR:
                     done = True
-                    raise file_error(payload, path, 0)
+                    raise _file_error(payload, path, 0)
                 elif kind == LOST:
                     done = True
                     raise ChannelLost(f"{self.label}: the channel died during a write")
@@ -359,6 +365,27 @@ class Channel(FramedStream):
         finally:
             self._finish(pending)
 
+    async def sweep(self, header: SweepHeader) -> int:
+        """Have the agent stop the processes ``header`` selects (as ``scripts/sweep.sh``
+        would), forking nothing; return how many it killed.
+
+        Raises:
+            SandboxError: the agent could not.
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        pending = self._open()
+        try:
+            self._send(wire.SWEEP, pending.rid, header.to_wire())
+            # Not a file request: a sweep of a fork loop may take its time (bounded passes).
+            answer, payload = await self._next(pending)
+            if answer == wire.DONE:
+                return int(U32.unpack(payload)[0])
+            if answer == wire.ERROR:
+                raise _file_error(payload, "stop_processes", 0)
+            raise ChannelLost(f"{self.label}: the channel died during a sweep")
+        finally:
+            self._finish(pending)
+
     async def _simple(self, kind: int, path: str) -> bytes:
         pending = self._open()
         try:
@@ -367,7 +394,7 @@ class Channel(FramedStream):
             if answer == wire.DONE:
                 return payload
             if answer == wire.ERROR:
-                raise file_error(payload, path, 0)
+                raise _file_error(payload, path, 0)
             raise ChannelLost(f"{self.label}: the channel died during a file operation")
         finally:
             self._finish(pending)
@@ -405,3 +432,29 @@ class Channel(FramedStream):
             if not ready:
                 self._relay.remove(listener, "the relay never started")
                 self._finish(pending)
+
+
+# ---------------------------------------------------------------------- the agent's errors
+
+
+def _process_limit(report: ErrorReport, program: str) -> SandboxProcessLimitError:
+    """The agent could make no process (or thread) for ``program``: the process limit, whose
+    value the agent read from the cgroup (``""``: unknown)."""
+    setting = report.message if report.message.isdigit() else None
+    return SandboxProcessLimitError(program, setting)
+
+
+def _exec_error(payload: bytes, request: ExecRequest) -> Exception:
+    """As :func:`~.protocol.exec_error`, with the process limit typed."""
+    report = ErrorReport.from_wire(payload)
+    if report.what == "pids":
+        return _process_limit(report, request.argv[0])
+    return exec_error(payload, request)
+
+
+def _file_error(payload: bytes, path: str, limit: int) -> SandboxError:
+    """As :func:`~.protocol.file_error`, with the process limit typed."""
+    report = ErrorReport.from_wire(payload)
+    if report.what == "pids":
+        return _process_limit(report, path)
+    return file_error(payload, path, limit)

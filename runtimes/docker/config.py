@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ..config import RuntimeConfig, absolute_workdir
 from ..policy import DEFAULT_POLICY_USER, validate_policy_user
-from ..resources import LIMIT_FIELDS
+from ..resources import LIMIT_FIELDS, MemoryMiB, format_mib, memory_mib
 from .mounts import MountSpec, check_mounts
 from .ports import PortSpec, check_ports, parse_port
 
@@ -17,6 +23,54 @@ DEFAULT_IMAGE = "vf-sandbox/base:bookworm"
 DEFAULT_WORKDIR = "/work"
 
 _BASE_URL = re.compile(r"^(unix|tcp|ssh|http|https|npipe)://")
+
+DEFAULT_MEMORY_MIB = 2048
+"""The hardened default ``memory`` (2 GiB, no swap): ~10x the largest measured workload."""
+DEFAULT_PIDS_LIMIT = 1024
+"""The hardened default ``pids_limit``: ~40x the largest measured workload's processes and
+threads; a fork bomb still reaches it in under a second."""
+DEFAULT_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETGID", "SETUID")
+"""What an owned sandbox keeps of the engine's capabilities with ``capabilities="hardened"``
+(``docs/docker.md``, Hardened defaults): the policy account's handoff and the non-root
+workdir (CHOWN), root's access to the policy's files (DAC_OVERRIDE, FOWNER), killing another
+user's processes (KILL) and switching users (SETGID, SETUID)."""
+DEFAULT_SECURITY_OPT = ("no-new-privileges",)
+TMPFS_HEADROOM_MIB = 512
+"""Memory left to processes when the workdir and /tmp (tmpfs, counted against ``memory``)
+are full: ``2 * disk + TMPFS_HEADROOM_MIB <= memory``."""
+
+LINUX_CAPABILITIES = frozenset(
+    {
+        "AUDIT_CONTROL", "AUDIT_READ", "AUDIT_WRITE", "BLOCK_SUSPEND", "BPF",
+        "CHECKPOINT_RESTORE", "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID",
+        "IPC_LOCK", "IPC_OWNER", "KILL", "LEASE", "LINUX_IMMUTABLE", "MAC_ADMIN",
+        "MAC_OVERRIDE", "MKNOD", "NET_ADMIN", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_RAW",
+        "PERFMON", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_ADMIN", "SYS_BOOT",
+        "SYS_CHROOT", "SYS_MODULE", "SYS_NICE", "SYS_PACCT", "SYS_PTRACE", "SYS_RAWIO",
+        "SYS_RESOURCE", "SYS_TIME", "SYS_TTY_CONFIG", "SYSLOG", "WAKE_ALARM",
+    }
+)  # fmt: skip
+_SECURITY_OPTS = ("no-new-privileges", "seccomp", "apparmor", "label", "systempaths")
+_OCI_RUNTIME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+_HARDENING_FIELDS = (
+    "security_opt", "capabilities", "cap_add", "memory_swap", "read_only", "disk", "runtime"
+)  # fmt: skip
+"""Create options of owned sandboxes beyond the common limits: refused with ``container=``."""
+
+
+def disk_mib(value: Any) -> Any:
+    """A ``disk`` size as whole MiB: the same units as ``memory`` (:func:`memory_mib`).
+
+    Raises:
+        ValueError: not a size, not a whole number of MiB, or below 6 MiB.
+    """
+    try:
+        return memory_mib(value)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("memory", "disk")) from None
+
+
+DiskMiB = Annotated[int, BeforeValidator(disk_mib)]
 
 
 class DockerConfig(RuntimeConfig):
@@ -81,9 +135,94 @@ class DockerConfig(RuntimeConfig):
     snapshot_timeout: float = Field(
         default=600.0, gt=0, description="seconds the engine may take to commit a snapshot"
     )
+    memory: MemoryMiB | None = Field(
+        default=DEFAULT_MEMORY_MIB, description="MiB, or '512MiB', '2GiB'; None: no limit"
+    )
+    pids_limit: int | None = Field(
+        default=DEFAULT_PIDS_LIMIT, gt=0, description="processes and threads; None: no limit"
+    )
+    memory_swap: MemoryMiB | None = Field(
+        default=None, description="memory plus swap; None: equal to memory (no swap)"
+    )
+    security_opt: tuple[str, ...] = Field(
+        default=DEFAULT_SECURITY_OPT, description="the engine's SecurityOpt entries"
+    )
+    capabilities: Literal["hardened", "engine"] = Field(
+        default="hardened",
+        description="'hardened': drop all but DEFAULT_CAPABILITIES; 'engine': its default set",
+    )
+    cap_add: tuple[str, ...] = Field(
+        default=(), description="capabilities added on top (NET_RAW, SYS_PTRACE, ...)"
+    )
+    read_only: bool = Field(
+        default=False, description="read-only root filesystem; workdir and /tmp stay writable"
+    )
+    disk: DiskMiB | None = Field(
+        default=None, description="size bound of the workdir and of /tmp (each; tmpfs volumes)"
+    )
+    runtime: str | None = Field(
+        default=None, description="the engine's OCI runtime ('runsc', 'crun'); None: its default"
+    )
 
     _absolute_workdir = field_validator("workdir")(absolute_workdir)
     _plain_policy_user = field_validator("policy_user")(validate_policy_user)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _attached_has_no_default_limits(cls, data: Any) -> Any:
+        """An attached container keeps its own limits: the hardened limit defaults are for
+        containers this runtime creates."""
+        if isinstance(data, dict) and data.get("container"):
+            data = {"memory": None, "pids_limit": None, **data}
+        return data
+
+    @field_validator("cap_add", mode="before")
+    @classmethod
+    def _capability_names(cls, value: object) -> object:
+        if isinstance(value, str):
+            raise ValueError("cap_add is a list of capability names, like ['NET_RAW']")
+        if not isinstance(value, list | tuple):
+            return value
+        names = []
+        for entry in value:
+            if not isinstance(entry, str):
+                raise ValueError(f"cap_add: {entry!r} is not a capability name")
+            name = entry.strip().upper().removeprefix("CAP_")
+            if name == "ALL":
+                raise ValueError(
+                    "cap_add: 'ALL' gives the sandbox every capability of the host's root; "
+                    "name the capabilities the workload needs"
+                )
+            if name not in LINUX_CAPABILITIES:
+                raise ValueError(
+                    f"cap_add: {entry!r} is not a Linux capability (CHOWN, NET_RAW, SYS_PTRACE, "
+                    "...; see capabilities(7))"
+                )
+            if name not in names:
+                names.append(name)
+        return tuple(names)
+
+    @field_validator("security_opt", mode="before")
+    @classmethod
+    def _known_security_opts(cls, value: object) -> object:
+        if isinstance(value, str):
+            raise ValueError("security_opt is a list, like ['no-new-privileges']")
+        if isinstance(value, list | tuple):
+            for entry in value:
+                key = re.split(r"[=:]", entry, maxsplit=1)[0] if isinstance(entry, str) else ""
+                if key not in _SECURITY_OPTS:
+                    raise ValueError(
+                        f"security_opt: {entry!r} is not one the engine takes "
+                        f"({', '.join(_SECURITY_OPTS)}, as 'name' or 'name=value')"
+                    )
+        return value
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime_name(cls, value: str | None) -> str | None:
+        if value is not None and not _OCI_RUNTIME.match(value):
+            raise ValueError(f"runtime is the name of an OCI runtime (runc, runsc), got {value!r}")
+        return value
 
     @field_validator("ports", mode="before")
     @classmethod
@@ -150,6 +289,64 @@ class DockerConfig(RuntimeConfig):
             raise ValueError(
                 f"{', '.join(given)}: limits apply to sandboxes this runtime creates, not to an "
                 "attached container (container=...), which keeps its own"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _hardening_on_owned_only(self) -> DockerConfig:
+        """An attached container keeps the settings it was started with."""
+        fields = type(self).model_fields
+        changed = [n for n in _HARDENING_FIELDS if getattr(self, n) != fields[n].default]
+        if self.container and changed:
+            raise ValueError(
+                f"{', '.join(changed)}: these apply to sandboxes this runtime creates, not to an "
+                "attached container (container=...), which keeps its own"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _swap_fits_memory(self) -> DockerConfig:
+        """The engine takes memory plus swap only with a memory limit, and not below it."""
+        if self.memory_swap is None:
+            return self
+        if self.memory is None:
+            raise ValueError("memory_swap (memory plus swap) needs a memory limit: set memory")
+        if self.memory_swap < self.memory:
+            raise ValueError(
+                f"memory_swap is memory plus swap: {format_mib(self.memory_swap)} is below "
+                f"memory ({format_mib(self.memory)})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _disk_fits_memory(self) -> DockerConfig:
+        """The workdir and /tmp of a ``disk`` quota are tmpfs, whose pages count against the
+        memory limit and cannot be reclaimed without swap: both full, with too little memory
+        left, every command would be killed by the memory limit."""
+        if self.disk is None or self.memory is None:
+            return self
+        needed = 2 * self.disk + TMPFS_HEADROOM_MIB
+        if self.memory < needed:
+            raise ValueError(
+                f"disk={format_mib(self.disk)} bounds the workdir and /tmp each, in memory "
+                f"(tmpfs) that counts against memory={format_mib(self.memory)}: memory must be "
+                f"at least 2 x disk + {TMPFS_HEADROOM_MIB}MiB ({format_mib(needed)}); raise "
+                "memory or lower disk"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _read_only_policy_account(self) -> DockerConfig:
+        """The default policy account is added to ``/etc/passwd`` on first use, which a
+        read-only root filesystem refuses; an account named explicitly is taken to be in
+        the image (made only if missing). A non-root ``user`` has no policy account."""
+        implicit = "policy_user" not in self.model_fields_set
+        root = self.user is None or self.user.split(":", 1)[0] in ("root", "0")
+        if self.read_only and implicit and root and self.policy_user == DEFAULT_POLICY_USER:
+            raise ValueError(
+                f"read_only=True: the policy account {DEFAULT_POLICY_USER!r} cannot be added to "
+                "a read-only /etc; set policy_user to an account the image has ('nobody', say), "
+                "or policy_user=None to run the policy as the default user"
             )
         return self
 

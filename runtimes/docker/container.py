@@ -5,6 +5,13 @@ An owned sandbox is a container from ``image`` with a keep-alive command
 default, ``docker-init`` as PID 1 when the engine has it, and the workdir, plus the
 configured published ports (:mod:`.ports`), mounts (:mod:`.mounts`) and GPU requests. Images
 are pulled only as the ``pull`` policy says (:mod:`.pull`).
+
+It is hardened as the config says (``docs/docker.md``, Hardened defaults): memory without
+swap, a pids limit, no-new-privileges, a minimal capability set; with ``read_only`` or
+``disk`` the workdir and ``/tmp`` are anonymous volumes (tmpfs of ``disk`` MiB with a quota,
+the engine's disk without), removed with the container. They are volumes, not the engine's
+``tmpfs`` mounts, because the archive API (``put_archive``, ``get_archive``) sees volumes
+and not ``tmpfs`` mounts.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from ..errors import ProvisioningError, SandboxTransportError
 from ..resources import MIB
 from ..scripts import load
 from .client import _api_message, _blocking, _engine_name
-from .config import DEFAULT_WORKDIR, DockerConfig
+from .config import DEFAULT_CAPABILITIES, DEFAULT_WORKDIR, DockerConfig
 from .mounts import VOLUME_LABEL, engine_mounts
 from .ports import port_bindings
 from .pull import pull_image
@@ -99,15 +106,64 @@ def container_options(
         options["nano_cpus"] = int(cfg.cpus * 1e9)
     if cfg.memory is not None:
         options["mem_limit"] = cfg.memory * MIB
+        options["memswap_limit"] = (cfg.memory_swap or cfg.memory) * MIB
     if cfg.pids_limit is not None:
         options["pids_limit"] = cfg.pids_limit
     if cfg.ports:
         options["ports"] = port_bindings(cfg.ports)
+    mounts = writable_mounts(cfg)
     if cfg.mounts:
-        options["mounts"] = engine_mounts(cfg.mounts, {**options["labels"], VOLUME_LABEL: name})
+        mounts += engine_mounts(cfg.mounts, {**options["labels"], VOLUME_LABEL: name})
+    if mounts:
+        options["mounts"] = mounts
     if cfg.gpus is not None:
         options["device_requests"] = [gpu_request(cfg.gpus)]
+    options.update(hardening_options(cfg))
     return options
+
+
+def hardening_options(cfg: DockerConfig) -> dict[str, Any]:
+    """The create options of ``security_opt``, ``capabilities``/``cap_add``, ``read_only``
+    and ``runtime``."""
+    options: dict[str, Any] = {}
+    if cfg.security_opt:
+        options["security_opt"] = list(cfg.security_opt)
+    added = list(cfg.cap_add)
+    if cfg.capabilities == "hardened":
+        options["cap_drop"] = ["ALL"]
+        added = [*DEFAULT_CAPABILITIES, *(c for c in added if c not in DEFAULT_CAPABILITIES)]
+    if added:
+        options["cap_add"] = added
+    if cfg.read_only:
+        options["read_only"] = True
+    if cfg.runtime is not None:
+        options["runtime"] = cfg.runtime
+    return options
+
+
+def writable_mounts(cfg: DockerConfig) -> list[Any]:
+    """With ``disk``: the workdir and ``/tmp`` as anonymous tmpfs volumes of ``disk`` MiB
+    each. With ``read_only`` alone: as anonymous volumes on the engine's disk. Else none."""
+    if cfg.disk is None and not cfg.read_only:
+        return []
+    workdir = cfg.workdir or DEFAULT_WORKDIR
+    return [
+        _anonymous_volume(workdir, cfg.disk, "0755"),
+        _anonymous_volume("/tmp", cfg.disk, "1777"),
+    ]
+
+
+def _anonymous_volume(target: str, size_mib: int | None, mode: str) -> Any:
+    """An anonymous volume at ``target`` (removed with the container): tmpfs bounded to
+    ``size_mib`` when given (writes past it fail with ENOSPC), else the engine's disk."""
+    import docker.types
+
+    if size_mib is None:
+        return docker.types.Mount(target, None, type="volume")
+    tmpfs = {"type": "tmpfs", "device": "tmpfs", "o": f"size={size_mib}m,mode={mode}"}
+    return docker.types.Mount(
+        target, None, type="volume", driver_config=docker.types.DriverConfig("local", tmpfs)
+    )
 
 
 def gpu_request(gpus: str | int | tuple[str, ...]) -> Any:
@@ -130,11 +186,15 @@ def create_and_start_blocking(
     """Create then start; ``record`` gets the id before start, so close() can remove it.
 
     Raises:
-        ProvisioningError: the image is missing, or the engine refused.
+        ProvisioningError: the image is missing, the engine does not offer the OCI
+            ``runtime`` asked for (naming the ones it offers), or the engine refused.
+        SandboxTransportError: the engine did not answer.
     """
     import docker.errors
 
     try:
+        if cfg.runtime is not None:
+            check_oci_runtime(client.api.info(), cfg)
         container = client.containers.create(cfg.image, **options)
         record(container.id)
         container.start()
@@ -148,6 +208,25 @@ def create_and_start_blocking(
             + _gpu_hint(cfg, _api_message(exc))
         ) from exc
     return container
+
+
+def check_oci_runtime(info: dict[str, Any], cfg: DockerConfig) -> None:
+    """Refuse ``cfg.runtime`` unless the engine's ``/info`` lists it under ``Runtimes``.
+
+    Raises:
+        ProvisioningError: the engine does not offer it; the message names the ones it does.
+    """
+    offered = sorted(info.get("Runtimes") or {})
+    if cfg.runtime in offered:
+        return
+    default = info.get("DefaultRuntime")
+    raise ProvisioningError(
+        f"{_engine_name(cfg)} offers no OCI runtime {cfg.runtime!r} (runtime=...): it offers "
+        f"{', '.join(map(repr, offered)) or 'none'}"
+        + (f" (default {default!r})" if default else "")
+        + "; install it on the engine's host and register it under 'runtimes' in "
+        "/etc/docker/daemon.json, or pick one of these"
+    )
 
 
 def _gpu_hint(cfg: DockerConfig, message: str) -> str:

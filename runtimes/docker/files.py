@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import io
 import json
+import logging
 import posixpath
 import tarfile
 import tempfile
@@ -29,6 +31,7 @@ from ..errors import (
     SandboxFileNotFoundError,
     SandboxInvalidArgumentError,
     SandboxIsADirectoryError,
+    SandboxNoSpaceError,
     SandboxNotADirectoryError,
     SandboxPermissionError,
     SandboxUnavailableError,
@@ -53,6 +56,8 @@ _MODE_PIPE_OR_SOCKET = (1 << 25) | (1 << 24)
 
 _TEMP_PREFIX = ".vf-sandbox-write-"
 
+log = logging.getLogger("runtimes.docker")
+
 
 def _decode_stat(header: str | None) -> dict[str, Any] | None:
     if not header:
@@ -74,6 +79,11 @@ def _archive_error(status: int, message: str, path: str) -> SandboxError:
     lowered = message.lower()
     if "no such container" in lowered or "is not running" in lowered:
         return SandboxUnavailableError(f"docker container is gone: {message}")
+    # The engine's text for ENOSPC and EDQUOT (a full disk quota, `disk=`, or filesystem).
+    if "no space left on device" in lowered:
+        return SandboxNoSpaceError(path)
+    if "disk quota exceeded" in lowered:
+        return SandboxNoSpaceError(path, code=errno.EDQUOT)
     table = (
         ("cannot overwrite directory", SandboxIsADirectoryError),
         ("cannot overwrite non-directory", SandboxNotADirectoryError),
@@ -282,12 +292,44 @@ class _ContainerArchive:
         target = posixpath.normpath(target)
         parent = posixpath.dirname(target) or "/"
         name = f"{_TEMP_PREFIX}{uuid.uuid4().hex[:16]}"
+        temp = posixpath.join(parent, name)
         archive = _file_tar(name, data, mode)
-        if not self._put_archive_blocking(parent, archive, path):
-            self._make_dirs_blocking(parent, path)
+        try:
             if not self._put_archive_blocking(parent, archive, path):
-                raise SandboxFileNotFoundError(path, "the parent directory vanished")
-        return posixpath.join(parent, name), target
+                self._make_dirs_blocking(parent, path)
+                if not self._put_archive_blocking(parent, archive, path):
+                    raise SandboxFileNotFoundError(path, "the parent directory vanished")
+        except (SandboxError, OSError):
+            # The engine leaves what it extracted before it failed (a full disk quota):
+            # that part would hold the room the next write needs.
+            self._remove_leftover_blocking(temp)
+            raise
+        return temp, target
+
+    def _remove_leftover_blocking(self, temp: str) -> None:
+        """Remove a temporary file a failed upload may have left (one exec as root, as the
+        rename after a write is). Not raised when it fails (the upload's own error is):
+        logged, with what to remove."""
+        import docker.errors
+
+        api = self._api
+        try:
+            exec_id = api.exec_create(self._id, ["rm", "-f", "--", temp], user="0")["Id"]
+            api.exec_start(exec_id)
+            code = api.exec_inspect(exec_id).get("ExitCode")
+        except (docker.errors.DockerException, OSError) as exc:
+            code, reason = None, str(exc)
+        else:
+            reason = f"exit code {code}"
+        if code != 0:
+            log.warning(
+                "container %s: could not remove the partial upload %r after a failed write "
+                "(%s); it holds room of the sandbox's disk until removed (rt.remove(%r))",
+                self._id[:12],
+                temp,
+                reason,
+                temp,
+            )
 
     def _put_archive_blocking(self, directory: str, archive: bytes, shown: str) -> bool:
         """Extract ``archive`` into ``directory``; ``False`` if the directory is missing."""

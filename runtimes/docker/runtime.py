@@ -31,6 +31,7 @@ import anyio
 from .._local_files import shell_error
 from ..base import Runtime
 from ..channel import ChannelHooks, ChannelTransport
+from ..channel.agent.wire import SweepHeader
 from ..config import RuntimeConfig
 from ..errors import (
     HostRouteError,
@@ -49,7 +50,7 @@ from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..reaper import remove_in_background, wait_for_removals, wait_for_removals_blocking
 from ..routes import HostRoute, RouteKind
 from ..scripts import load
-from ..snapshot import UNTRUSTED, SandboxSnapshot
+from ..snapshot import UNTRUSTED, SandboxSnapshot, SnapshotUnsupportedError
 from ..sweep import MARK_VAR, ORPHAN_KILL_SCRIPT, sweep_argv
 from ..wrapper import ReportReader, new_nonce
 from .agent import _untrusted_change, _untrusted_python, open_agent_stream
@@ -100,6 +101,8 @@ from .stream import _close_exec_stream, _open_exec_stream, _pump, _start_stdin
 if TYPE_CHECKING:
     import docker
     import docker.errors
+
+    from ..channel.core import Channel
 
 log = logging.getLogger("runtimes.docker")
 
@@ -431,10 +434,14 @@ class DockerRuntime(Runtime):
         In a container this runtime created, that is every process outside the
         keep-alive's session, however it detached itself (``setsid``, ``env -i``). In an
         attached container, only processes carrying this runtime's environment mark are
-        killed (the container's own processes are not ours).
+        killed (the container's own processes are not ours). It works at the container's
+        process limit (``pids_limit``) while the channel's root agent runs: the agent sweeps
+        itself, forking nothing; without it the sweep is a script, which needs to fork.
 
         Raises:
             SandboxUnavailableError: the sandbox is closed, stopped or removed.
+            SandboxError: the sweep failed (with the script: it could not fork at the
+                process limit, say; its stderr attached).
         """
         if not self._owned:
             return await super().stop_processes()
@@ -443,13 +450,40 @@ class DockerRuntime(Runtime):
         # init are session 1. So in an owned container "every process not in session 1" is
         # exactly what commands started, including daemons that double-forked or scrubbed
         # their environment. The agent (a session leader, by docker exec) is spared.
-        agent = self._channel_agent_pid()
-        request, sink = self._request(
-            sweep_argv("all", f"{MARK_VAR}={self._mark}", keep=agent), user="0"
-        )
+        mark = f"{MARK_VAR}={self._mark}"
         with self._guard("stop_processes"):
+            killed = await self._sweep_by_agent(SweepHeader("all", mark))
+            if killed is not None:
+                return killed
+            agent = self._channel_agent_pid()
+            request, sink = self._request(sweep_argv("all", mark, keep=agent), user="0")
             code = await self._run(request, sink)
         return self._swept(code, sink)
+
+    async def _sweep_by_agent(self, header: SweepHeader) -> int | None:
+        """How many processes the channel's agent killed sweeping as ``header`` says;
+        ``None`` when no trusted root agent runs (one of another user could not signal the
+        others' processes) or the channel died meanwhile: the sweep script serves then.
+
+        Raises:
+            SandboxError: the agent's sweep failed.
+        """
+        channel = self._supervisor
+        if channel is None:
+            return None
+
+        async def by_agent(chan: Channel) -> int | None:
+            hello = chan.hello
+            if hello is None or hello.uid != 0:
+                return None
+            return await chan.sweep(header)
+
+        async def by_script() -> int | None:
+            return None
+
+        # The supervisor's routing of an idempotent call (restart, fallback, distrust);
+        # a public ChannelSupervisor.sweep would wrap exactly this.
+        return await channel._file_call(by_agent, by_script, "stop_processes", idempotent=True)
 
     # ------------------------------------------------------------------ exec
 
@@ -743,10 +777,13 @@ class DockerRuntime(Runtime):
         """Commit the container to a labelled image, paused meanwhile (see :mod:`.snapshots`).
 
         Raises:
+            SnapshotUnsupportedError: the sandbox keeps its workdir and ``/tmp`` in volumes
+                (``disk`` or ``read_only``), which the engine's commit leaves out.
             SandboxUnavailableError: the container is gone or stopped.
             SandboxTransportError: the engine did not answer.
             SandboxError: the engine refused to commit.
         """
+        self._check_snapshot_holds_the_workdir()
         inherited = self._untrusted_image
         if inherited is None and self._snapshot_source is not None:
             inherited = self._snapshot_source.untrusted
@@ -755,6 +792,28 @@ class DockerRuntime(Runtime):
         check = not (self._owned and self.policy_user is not None)
         async with self._snapshot_lock:
             return await commit_snapshot(self._ref(), labels, inherited, check=check)
+
+    def _check_snapshot_holds_the_workdir(self) -> None:
+        """Refuse a snapshot that would silently lose the workdir and ``/tmp``: with
+        ``disk`` or ``read_only`` they are anonymous volumes, and a commit holds only the
+        container's own layer (a fork would start with both empty).
+
+        Raises:
+            SnapshotUnsupportedError: the config has ``disk`` or ``read_only``.
+        """
+        cfg = self.config
+        why = [
+            name
+            for name, on in (("disk", cfg.disk is not None), ("read_only", cfg.read_only))
+            if on
+        ]
+        if why:
+            raise SnapshotUnsupportedError(
+                f"{self.describe()} cannot be snapshotted: with {' and '.join(why)} its "
+                "workdir and /tmp are volumes, which the engine's commit leaves out (a fork "
+                "would start with both empty); copy what you need with rt.download(), or "
+                "run without disk/read_only to snapshot"
+            )
 
     @classmethod
     async def list_snapshots(cls, config: RuntimeConfig | None = None) -> list[SandboxSnapshot]:

@@ -53,6 +53,10 @@ Requests (host -> agent):
   but the keep-alive until ``/proc`` lists no other process but zombies (a signalled process
   dies when it next runs), ``DONE``, and the keep-alive's SIGKILL; ``ERROR`` (``ETIMEDOUT``) if
   one still runs after ``HALT_SETTLE`` seconds.
+* ``SWEEP`` (``text mode | text mark | text user | text home``: ``scripts/sweep.sh``'s
+  arguments): ``stop_processes()`` done by the agent itself, on its main thread, forking
+  nothing (:mod:`.sweep`): it works at the sandbox's process limit, where the script cannot
+  start. ``DONE`` with ``u32`` the number killed.
 
 ``HELLO`` (request id 0, first frame): ``u32 version, pid, sid, uid, gid, flags | text python
 | text executable`` (flags: 1 non-dumpable). ``DIGEST`` (request id 0, when the host asked at
@@ -60,8 +64,9 @@ the first start): sha256 of the interpreter, of every module loaded and of
 ``/etc/ld.so.preload`` (zeros: absent), for the host to verify before a restart.
 ``ERROR``: ``i32 errno | text what | text message``; ``what`` is ``prog``, ``cwd``, ``user``,
 ``path``, ``limit``, ``special`` (a FIFO or a socket where a file is expected: refused, never
-waited on), ``internal`` (an unexpected failure, message attached) or ``unsupported`` (the
-host then uses its plain path).
+waited on), ``pids`` (no process, or no thread to serve the request, could be made: the
+process limit; the message is the cgroup's ``pids.max``), ``internal`` (an unexpected
+failure, message attached) or ``unsupported`` (the host then uses its plain path).
 
 The relay (``LISTEN``, see :mod:`.relay`): a TCP listener on the sandbox's loopback whose
 connections are carried as streams over this channel to a port on the host (the model proxy),
@@ -77,7 +82,18 @@ import ast
 from functools import cache
 from pathlib import Path
 
-PARTS = ("wire", "stream", "output", "procs", "execute", "files", "relay", "serve", "main")
+PARTS = (
+    "wire",
+    "stream",
+    "output",
+    "procs",
+    "sweep",
+    "execute",
+    "files",
+    "relay",
+    "serve",
+    "main",
+)
 """The agent's parts, in the order they are joined: a part only uses names of earlier parts
 at import time (class bases, module constants)."""
 

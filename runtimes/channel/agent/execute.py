@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .output import Refused
+from .sweep import pids_limit
 from .wire import (
     ACK,
     EXIT,
@@ -114,7 +115,11 @@ class Exec:
         try:
             if self.stdin is not None:
                 assert proc.stdin is not None
-                self.agent.workers.submit(self.pump_stdin, proc.stdin)
+                try:
+                    self.agent.workers.submit(self.pump_stdin, proc.stdin)
+                except Refused as refused:
+                    self.abandon(refused)
+                    return
             self.pump_output(proc)
             code = proc.wait()
             if self.stdin is not None:
@@ -126,6 +131,20 @@ class Exec:
             self.agent.out.send(EXIT, self.rid, I32.pack(code), before=self.take_start())
         finally:
             self.release()
+
+    def abandon(self, refused: Refused) -> None:
+        """The started command cannot be served (no thread for it at the process limit):
+        kill and reap it, then report why instead of its exit."""
+        proc = self.proc
+        assert proc is not None
+        kill_group(proc.pid)
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        self.agent.finish(self.rid)
+        self.agent.out.refused(self.rid, refused)
 
     def release(self) -> None:
         self.agent.finish(self.rid)
@@ -166,6 +185,8 @@ class Exec:
                         return subprocess.Popen(["/bin/sh", found, *argv[1:]], **options)
                     except OSError as again:
                         num = again.errno or 0
+            if num == errno.EAGAIN:  # fork failed: the sandbox is at its process limit
+                raise Refused(num, "pids", pids_limit()) from None
             if num == errno.EACCES and exc.filename == cwd and not os.access(cwd, os.X_OK):
                 raise Refused(num, "cwd") from None
             raise Refused(num, "prog", exc.strerror or "") from None

@@ -106,6 +106,7 @@ class Write:
             self.agent.refuse(self.rid, exc)
             return
         complete = False
+        failure: OSError | None = None
         try:
             complete = self.copy(fd)
             os.close(fd)
@@ -114,7 +115,7 @@ class Write:
                 replace(temp, target)
                 temp = None
         except OSError as exc:
-            out.os_error(self.rid, exc)
+            failure = exc
             complete = False
         finally:
             if fd >= 0:
@@ -123,7 +124,11 @@ class Write:
                 with contextlib.suppress(OSError):
                     os.unlink(temp)
             self.agent.finish(self.rid)
-        if complete:
+        # Answered only once the temporary file is gone: under a disk quota the host's
+        # next write (after an ENOSPC) must find its room given back.
+        if failure is not None:
+            out.os_error(self.rid, failure)
+        elif complete:
             out.send(DONE, self.rid)
 
     def copy(self, fd: int) -> bool:

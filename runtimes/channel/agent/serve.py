@@ -24,6 +24,7 @@ from .files import Read, Write
 from .output import Output, Refused
 from .procs import container_command, kill_running
 from .relay import Listener
+from .sweep import Sweep, pids_limit
 from .wire import (
     ALERT,
     DATA,
@@ -42,7 +43,9 @@ from .wire import (
     READ,
     REMOVE,
     STAT,
+    SWEEP,
     TAG,
+    U32,
     VERSION,
     WRITE,
     ExecHeader,
@@ -50,6 +53,7 @@ from .wire import (
     ListenHeader,
     PathHeader,
     ReadHeader,
+    SweepHeader,
     WriteHeader,
     mac,
     split_prefixed,
@@ -65,7 +69,9 @@ INPUT_CHUNK = 1024 * 1024
 
 
 class Workers:
-    """Threads reused across requests; a new one only when none is idle."""
+    """Threads reused across requests; a new one only when none is idle. At the sandbox's
+    process limit no thread can be made (threads are tasks too): :meth:`submit` refuses,
+    and nothing of the request is left queued."""
 
     def __init__(self) -> None:
         self._tasks: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]]
@@ -74,17 +80,26 @@ class Workers:
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` in a worker thread.
+
+        Raises ``Refused`` (``pids``) when a new thread is needed and cannot be made.
+        """
         with self._lock:
             spawn = self._idle == 0
             if not spawn:
                 self._idle -= 1
-        self._tasks.put((fn, args))
-        if spawn:
-            threading.Thread(target=self._work, daemon=True).start()
+        if not spawn:
+            self._tasks.put((fn, args))
+            return
+        try:  # the new thread's first task is handed to it, never queued for another
+            threading.Thread(target=self._work, args=((fn, args),), daemon=True).start()
+        except RuntimeError:  # "can't start new thread": EAGAIN from clone
+            raise Refused(errno.EAGAIN, "pids", pids_limit()) from None
 
-    def _work(self) -> None:
+    def _work(self, first: tuple[Callable[..., None], tuple[Any, ...]]) -> None:
+        task = first
         while True:
-            fn, args = self._tasks.get()
+            fn, args = task
             try:
                 fn(*args)
             except BaseException:  # noqa: BLE001 - a bug in one request must not end the agent
@@ -93,6 +108,7 @@ class Workers:
                 traceback.print_exc(file=sys.stderr)
             with self._lock:
                 self._idle += 1
+            task = self._tasks.get()
 
 
 class Agent:
@@ -181,7 +197,11 @@ class Agent:
             # Spawned right here: the worker that pumps its output wakes up while the
             # command already runs, instead of before it starts.
             if command.launch():
-                self.workers.submit(command.run)
+                try:
+                    self.workers.submit(command.run)
+                except Refused as refused:
+                    command.abandon(refused)
+                    command.release()
         elif kind == WRITE:
             header, inline = split_prefixed(payload)
             self.start(rid, Write(self, rid, WriteHeader.from_wire(header), inline))
@@ -198,18 +218,29 @@ class Agent:
                 self.requests[rid] = listener
             listener.open()
         elif kind == STAT:
-            self.workers.submit(self.stat, rid, PathHeader.from_wire(payload))
+            self.submit(rid, self.stat, rid, PathHeader.from_wire(payload))
         elif kind == REMOVE:
-            self.workers.submit(self.remove, rid, PathHeader.from_wire(payload))
+            self.submit(rid, self.remove, rid, PathHeader.from_wire(payload))
         elif kind == HALT:
             self.halt(rid)
+        elif kind == SWEEP:
+            # On this thread: at the process limit no worker thread may be had.
+            killed = Sweep(SweepHeader.from_wire(payload)).run()
+            self.out.send(DONE, rid, U32.pack(killed))
         else:
             self.out.error(rid, errno.EINVAL, "unsupported", f"unknown frame type {kind}")
 
     def start(self, rid: int, request: Any) -> None:
         with self.lock:
             self.requests[rid] = request
-        self.workers.submit(request.run)
+        self.submit(rid, request.run)
+
+    def submit(self, rid: int, fn: Callable[..., None], *args: Any) -> None:
+        """Serve request ``rid`` in a worker thread, or refuse it when none can be made."""
+        try:
+            self.workers.submit(fn, *args)
+        except Refused as refused:
+            self.refuse(rid, refused)
 
     def refuse(self, rid: int, exc: Refused | OSError) -> None:
         """A request that could not start: one ERROR frame, then off the books."""

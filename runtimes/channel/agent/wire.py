@@ -12,7 +12,7 @@ from __future__ import annotations
 import hmac
 import struct
 
-VERSION = 3
+VERSION = 4
 
 HEADER = struct.Struct(">BII")
 """Every frame: ``type (u8) | request id (u32) | payload length (u32)``, then the payload,
@@ -48,6 +48,9 @@ LISTEN = 9
 HALT = 10
 """Host -> agent, at close: freeze (``kill(-1, SIGSTOP)``), then SIGKILL every process the
 agent may signal but itself and PID 1; ``DONE`` once none runs any more."""
+SWEEP = 11
+"""Host -> agent (``SweepHeader``): ``stop_processes()`` without forking: freeze, then kill
+the matching processes, as ``scripts/sweep.sh`` does, then ``DONE`` (``u32`` killed)."""
 OPENED = 75
 R_DATA, R_ACK, R_EOF, R_CLOSE = 32, 33, 34, 35
 RELAY_KINDS = frozenset((OPENED, R_DATA, R_ACK, R_EOF, R_CLOSE))
@@ -224,6 +227,27 @@ class PathHeader:
         return cls(Fields(data).text())
 
 
+class SweepHeader:
+    """SWEEP: ``text mode | text mark | text user | text home``: the arguments of
+    ``scripts/sweep.sh`` (mode ``all``, ``since:T`` or ``mark``; ``""``: none), whose spared
+    session is always the agent's own."""
+
+    def __init__(self, mode: str, mark: str, user: str = "", home: str = "") -> None:
+        self.mode = mode
+        self.mark = mark
+        self.user = user
+        self.home = home
+
+    def to_wire(self) -> bytes:
+        return text(self.mode) + text(self.mark) + text(self.user) + text(self.home)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> SweepHeader:
+        fields = Fields(data)
+        mode, mark, user = fields.text(), fields.text(), fields.text()
+        return cls(mode, mark, user, fields.text())
+
+
 class ListenHeader:
     """LISTEN: ``u32 max connections | u32 window | u16 port`` (0: any free port)."""
 
@@ -281,8 +305,10 @@ class Hello:
 class ErrorReport:
     """ERROR: ``i32 errno | text what | text message``. ``what`` is ``prog``, ``cwd``,
     ``user``, ``path``, ``limit``, ``special`` (a FIFO or a socket where a file is expected),
-    ``internal`` (an unexpected failure, message attached) or ``unsupported`` (the host then
-    uses its plain path)."""
+    ``pids`` (no process or thread could be made: the sandbox is at its process limit;
+    ``EAGAIN``, the message is the cgroup's ``pids.max`` or ``""``), ``internal`` (an
+    unexpected failure, message attached) or ``unsupported`` (the host then uses its plain
+    path)."""
 
     def __init__(self, num: int, what: str, message: str) -> None:
         self.num = num
