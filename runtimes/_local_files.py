@@ -29,6 +29,8 @@ def shell_error(path: str, sink: OutputSink) -> SandboxError:
         ("not a directory", 20),
         ("is a directory", 21),
         ("read-only file system", 30),
+        ("no space left on device", 28),
+        ("disk quota exceeded", 122),
     ):
         if needle in lowered:
             return error_for_errno(num, path, message or None)

@@ -148,11 +148,6 @@ async def test_a_write_past_the_quota_is_enospc_and_leaves_no_temp_file(
             assert (await rt.exec(["rm", f"{where}/fits"])).exit_code == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the exec-as-user write's stderr is mapped by _local_files.shell_error, which does "
-    "not know 'No space left on device' yet",
-)
 async def test_a_write_as_a_non_root_user_without_the_channel_is_enospc(
     docker_runtime_factory: DockerRuntimeFactory, docker_client: Any
 ) -> None:
