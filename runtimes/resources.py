@@ -2,9 +2,10 @@
 
 :class:`ResourceLimits` holds the fields every runtime config has (through
 :class:`~runtimes.config.RuntimeConfig`): ``cpus`` (cores), ``memory`` (MiB, or a size with a
-unit) and ``pids_limit`` (processes). A backend lists the ones it enforces in
-``enforced_limits``; setting any other is a config error naming the field and saying why, so a
-limit is never silently ignored (third-party backends enforce none until they say so).
+unit), ``pids_limit`` (processes) and ``disk`` (MiB, the same units). A backend lists the
+ones it enforces in ``enforced_limits``; setting any other is a config error naming the
+field and saying why, so a limit is never silently ignored (third-party backends enforce
+none until they say so).
 
 ``memory`` is parsed by :func:`memory_mib`, the one validator of sizes: an int is MiB; a string
 is a number with an optional unit ``b``, ``k``, ``m``, ``g`` or ``t`` (any case, optionally
@@ -15,6 +16,7 @@ followed by ``i`` and/or ``b``: ``"512m"``, ``"512MiB"``, ``"2GiB"``, ``"2g"``),
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
 
 from pydantic import (
@@ -30,8 +32,10 @@ __all__ = [
     "LIMIT_FIELDS",
     "MIB",
     "MIN_MEMORY_MIB",
+    "DiskMiB",
     "MemoryMiB",
     "ResourceLimits",
+    "disk_mib",
     "format_mib",
     "memory_mib",
     "rename_old_fields",
@@ -47,8 +51,8 @@ _BYTES_LIKE_MIB = 1 << 24
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(?:([bkmgt])(i?b?))?$", re.IGNORECASE)
 _UNIT_BYTES = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
-LIMIT_FIELDS = ("cpus", "memory", "pids_limit")
-"""The resource limits of the common config (issue 22 adds its disk limit here)."""
+LIMIT_FIELDS = ("cpus", "memory", "pids_limit", "disk")
+"""The resource limits of the common config."""
 
 
 def memory_mib(value: Any) -> Any:
@@ -105,6 +109,21 @@ def format_mib(mib: int) -> str:
 MemoryMiB = Annotated[int, BeforeValidator(memory_mib)]
 
 
+def disk_mib(value: Any) -> Any:
+    """A ``disk`` size as whole MiB: the same units as ``memory`` (:func:`memory_mib`).
+
+    Raises:
+        ValueError: not a size, not a whole number of MiB, or below 6 MiB.
+    """
+    try:
+        return memory_mib(value)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("memory", "disk")) from None
+
+
+DiskMiB = Annotated[int, BeforeValidator(disk_mib)]
+
+
 def rename_old_fields(data: Any, renamed: dict[str, str]) -> Any:
     """A config's raw input with old field names moved to their new names (a before-validator
     helper; the old names keep working).
@@ -129,18 +148,23 @@ class ResourceLimits(BaseModel):
     ``cpus``: cores the sandbox may use (fractions allowed). ``memory``: the most memory its
     processes may hold together, in MiB (or a size with a unit); a command the limit kills
     raises :class:`~runtimes.errors.SandboxResourceError` where the backend can tell.
-    ``pids_limit``: the most processes (and threads) alive at once. ``None``: no limit set
-    by vf-sandbox. The old name ``cpu`` still works for ``cpus``.
+    ``pids_limit``: the most processes (and threads) alive at once. ``disk``: the most the
+    workload may write, in MiB (or a size with a unit). ``None``: no limit set by
+    vf-sandbox. The old name ``cpu`` still works for ``cpus``. What each backend makes of
+    them: ``docs/resources.md``.
     """
 
     enforced_limits: ClassVar[frozenset[str]] = frozenset()
     """The fields of :data:`LIMIT_FIELDS` this backend enforces; the rest are refused."""
     unenforced_reason: ClassVar[str] = "it has no way to enforce it (docs/resources.md)"
     """Why the others are refused (ends the error message)."""
+    unenforced_reasons: ClassVar[Mapping[str, str]] = {}
+    """A field's own reason, where it differs from :attr:`unenforced_reason`."""
 
     cpus: float | None = Field(default=None, gt=0, description="cores")
     memory: MemoryMiB | None = Field(default=None, description="MiB, or '512MiB', '2GiB', '512m'")
     pids_limit: int | None = Field(default=None, gt=0, description="processes and threads")
+    disk: DiskMiB | None = Field(default=None, description="MiB, or '512MiB', '2GiB', '512m'")
 
     @model_validator(mode="before")
     @classmethod
@@ -152,7 +176,6 @@ class ResourceLimits(BaseModel):
     def _enforceable(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None and info.field_name not in cls.enforced_limits:
             kind = getattr(cls.model_fields.get("type"), "default", None) or cls.__name__
-            raise ValueError(
-                f"the {kind!r} runtime cannot enforce {info.field_name}: {cls.unenforced_reason}"
-            )
+            reason = cls.unenforced_reasons.get(info.field_name or "", cls.unenforced_reason)
+            raise ValueError(f"the {kind!r} runtime cannot enforce {info.field_name}: {reason}")
         return value

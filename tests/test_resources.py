@@ -103,12 +103,13 @@ def test_the_old_cpu_name_still_works_once() -> None:
 @pytest.mark.parametrize(
     ("config", "refused"),
     [
-        ({**SSH, "memory": "1GiB"}, "memory"),
         ({**SSH, "cpus": 1}, "cpus"),
         ({**SSH, "cpu": 1}, "cpus"),
-        ({**SSH, "pids_limit": 10}, "pids_limit"),
+        ({**SSH, "disk": "1GiB"}, "disk"),
         ({"type": "modal", "pids_limit": 10}, "pids_limit"),
+        ({"type": "modal", "disk": 1024}, "disk"),
         ({"type": "subprocess", "memory": 512}, "memory"),
+        ({"type": "subprocess", "disk": 512}, "disk"),
     ],
 )
 def test_a_limit_the_backend_cannot_enforce_is_refused_never_ignored(
@@ -122,10 +123,51 @@ def test_a_limit_the_backend_cannot_enforce_is_refused_never_ignored(
 
 
 def test_what_each_backend_enforces() -> None:
-    assert set(LIMIT_FIELDS) == {"cpus", "memory", "pids_limit"}
+    assert set(LIMIT_FIELDS) == {"cpus", "memory", "pids_limit", "disk"}
     assert resolve({"type": "docker"}).enforced_limits == frozenset(LIMIT_FIELDS)
     assert resolve({"type": "modal"}).enforced_limits == {"cpus", "memory"}
-    assert resolve(SSH).enforced_limits == frozenset()
+    assert resolve(SSH).enforced_limits == {"memory", "pids_limit"}
+
+
+def test_each_refusal_says_why_for_that_field() -> None:
+    with pytest.raises(RuntimeConfigError, match=r"Sandbox\.create takes no disk size"):
+        resolve({"type": "modal", "disk": 1024})
+    with pytest.raises(RuntimeConfigError, match="no per-sandbox process limit"):
+        resolve({"type": "modal", "pids_limit": 10})
+    with pytest.raises(RuntimeConfigError, match="RLIMIT_FSIZE"):
+        resolve({**SSH, "disk": 1024})
+    with pytest.raises(RuntimeConfigError, match="per-sandbox cgroup"):
+        resolve({**SSH, "cpus": 1})
+
+
+def test_disk_is_a_common_field_in_the_units_of_memory() -> None:
+    assert resolve({"type": "docker", "disk": "512MiB"}).disk == 512
+    assert resolve({"type": "docker", "disk": 256}).disk == 256
+    assert resolve({"type": "modal"}).disk is None
+    with pytest.raises(RuntimeConfigError, match="disk must be at least 6 MiB"):
+        resolve({"type": "docker", "disk": 1})
+    with pytest.raises(RuntimeConfigError, match="disk must be MiB"):
+        resolve({"type": "docker", "disk": "lots"})
+
+
+def test_docker_disk_keeps_its_memory_check_and_its_attach_refusal() -> None:
+    with pytest.raises(RuntimeConfigError, match="memory must be at least 2 x disk"):
+        resolve({"type": "docker", "disk": "1GiB", "memory": "1GiB"})
+    with pytest.raises(RuntimeConfigError, match="disk: limits apply to sandboxes this runtime"):
+        resolve({"type": "docker", "container": "c", "disk": 64})
+
+
+def test_ssh_takes_memory_and_pids_limit() -> None:
+    config = resolve({**SSH, "memory": "1GiB", "pids_limit": 64})
+    assert (config.memory, config.pids_limit) == (1024, 64)
+
+
+def test_ssh_pids_limit_needs_an_account_other_than_root() -> None:
+    root = {**SSH, "username": "root"}
+    with pytest.raises(RuntimeConfigError, match="root is exempt"):
+        resolve({**root, "pids_limit": 64})
+    assert resolve({**root, "pids_limit": 64, "policy_user": "sandbox"}).pids_limit == 64
+    assert resolve({**root, "memory": 512}).memory == 512
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
-    BeforeValidator,
     Field,
     ValidationInfo,
     field_validator,
@@ -15,7 +14,7 @@ from pydantic import (
 
 from ..config import RuntimeConfig, absolute_workdir
 from ..policy import DEFAULT_POLICY_USER, validate_policy_user
-from ..resources import LIMIT_FIELDS, MemoryMiB, format_mib, memory_mib
+from ..resources import LIMIT_FIELDS, DiskMiB, MemoryMiB, format_mib
 from .mounts import MountSpec, check_mounts
 from .ports import PortSpec, check_ports, parse_port
 
@@ -53,24 +52,9 @@ LINUX_CAPABILITIES = frozenset(
 _SECURITY_OPTS = ("no-new-privileges", "seccomp", "apparmor", "label", "systempaths")
 _OCI_RUNTIME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 _HARDENING_FIELDS = (
-    "security_opt", "capabilities", "cap_add", "memory_swap", "read_only", "disk", "runtime"
+    "security_opt", "capabilities", "cap_add", "memory_swap", "read_only", "runtime"
 )  # fmt: skip
 """Create options of owned sandboxes beyond the common limits: refused with ``container=``."""
-
-
-def disk_mib(value: Any) -> Any:
-    """A ``disk`` size as whole MiB: the same units as ``memory`` (:func:`memory_mib`).
-
-    Raises:
-        ValueError: not a size, not a whole number of MiB, or below 6 MiB.
-    """
-    try:
-        return memory_mib(value)
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("memory", "disk")) from None
-
-
-DiskMiB = Annotated[int, BeforeValidator(disk_mib)]
 
 
 class DockerConfig(RuntimeConfig):
@@ -86,7 +70,8 @@ class DockerConfig(RuntimeConfig):
     rollout's policy runs as (``exec(user=rt.policy_user)``), made on first use in an owned
     container whose default user is root; ``None`` runs the policy as the default user
     (``docs/security.md``). ``cpus``, ``memory`` (MiB or ``"512MiB"``, ``"2GiB"``,
-    ``"512m"``) and ``pids_limit`` are the common limits (``docs/resources.md``). ``network``
+    ``"512m"``), ``pids_limit`` and ``disk`` are the common limits (``docs/resources.md``).
+    ``network``
     is ``"none"`` (default), ``"default"``/``"bridge"`` (the engine's outbound network),
     ``"host"`` or a network's name. ``base_url`` is ``unix://...``, ``tcp://host:port`` or
     ``ssh://user@host`` (paramiko); unset means ``DOCKER_HOST`` or the local socket.

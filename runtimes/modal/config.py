@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -31,9 +32,10 @@ class ModalConfig(RuntimeConfig):
     context). ``timeout`` bounds the sandbox's whole life and ``idle_timeout`` its idle
     time (seconds), so a crashed client never leaves a sandbox billing for a day. ``cpus``
     and ``memory`` (MiB or ``"2GiB"``) are hard limits (Modal's request and limit both);
-    ``pids_limit`` is refused (``docs/resources.md``). ``network`` is ``"none"`` (default, no
-    network at all) or ``"default"`` (outbound network); ``cidr_allowlist`` opens it to
-    those CIDRs only (the old ``block_network=True/False`` still works). ``secrets`` are
+    ``pids_limit`` and ``disk`` are refused (``docs/resources.md``). ``network`` is
+    ``"none"`` (default, no network at all) or ``"default"`` (outbound network);
+    ``cidr_allowlist`` opens it to those CIDRs only (the old ``block_network=True/False``
+    still works). ``secrets`` are
     names of Modal Secrets injected as environment variables. ``tags`` are added to the
     session labels every sandbox carries as Modal tags. ``max_live`` caps this process's
     live Modal sandboxes and ``creations_per_second`` its creation rate;
@@ -44,6 +46,10 @@ class ModalConfig(RuntimeConfig):
 
     enforced_limits: ClassVar[frozenset[str]] = frozenset({"cpus", "memory"})
     unenforced_reason: ClassVar[str] = "Modal has no per-sandbox process limit"
+    unenforced_reasons: ClassVar[Mapping[str, str]] = {
+        "disk": "Modal's Sandbox.create takes no disk size (the SDK sends no ephemeral disk "
+        "request for sandboxes)"
+    }
 
     type: Literal["modal"] = "modal"
     workdir: str | None = "/work"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -37,17 +38,26 @@ class SSHConfig(RuntimeConfig):
     account, so give each live sandbox an account of its own. Unset (the default), the
     policy runs as the login user (``docs/security.md``).
 
-    Resource limits (``cpus``, ``memory``, ``pids_limit``) are refused: commands are plain
-    processes of the remote host, outside any per-sandbox cgroup. ``network`` is always
-    ``"host"``, the remote host's own network (``docs/resources.md``).
+    Resource limits are per command, set with ``prlimit`` (util-linux) on the remote host:
+    ``memory`` is each process's address space (``RLIMIT_AS``, not a total of the sandbox),
+    ``pids_limit`` the processes of the account a command runs as (``RLIMIT_NPROC``, which
+    root ignores: it needs ``policy_user`` or a non-root login). ``cpus`` and ``disk`` are
+    refused: no per-command way bounds them. With a limit set, commands take the plain path
+    (no channel agent), each under the limits. ``network`` is always ``"host"``, the remote
+    host's own network (``docs/resources.md``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
+    enforced_limits: ClassVar[frozenset[str]] = frozenset({"memory", "pids_limit"})
     unenforced_reason: ClassVar[str] = (
         "commands run as plain processes of the remote host, outside any per-sandbox cgroup "
         "(run them in a container or VM on that host to limit them)"
     )
+    unenforced_reasons: ClassVar[Mapping[str, str]] = {
+        "disk": "a process limit bounds the size of each file (RLIMIT_FSIZE), not what the "
+        "sandbox writes in total (give the workdir a filesystem with a quota on that host)",
+    }
 
     type: Literal["ssh"] = "ssh"
     host: str = Field(min_length=1)
@@ -105,6 +115,17 @@ class SSHConfig(RuntimeConfig):
     def _policy_needs_root(self) -> SSHConfig:
         if self.policy_user is not None and self.username != "root":
             raise ValueError("policy_user needs username 'root' (to switch users with runuser)")
+        return self
+
+    @model_validator(mode="after")
+    def _pids_limit_needs_an_account(self) -> SSHConfig:
+        """RLIMIT_NPROC counts a user's processes, and root is exempt from it."""
+        if self.pids_limit is not None and self.username == "root" and self.policy_user is None:
+            raise ValueError(
+                "pids_limit bounds the processes of the account commands run as, and root is "
+                "exempt: set policy_user (an account of this sandbox's own) or log in as a "
+                "non-root user"
+            )
         return self
 
     @model_validator(mode="after")

@@ -33,6 +33,7 @@ from ..errors import (
     cannot_run_as,
 )
 from ..models import ExecRequest, OutputSink, SandboxInfo
+from ..resources import MIB
 from ..routes import HostRoute, RouteKind
 from ..snapshot import SandboxSnapshot, SnapshotNotFoundError, snapshot_from_labels
 from ..stdin_feed import feed_stdin
@@ -97,6 +98,7 @@ class SSHRuntime(_ConnectedRuntime):
         super().__init__(config)
         self._dir: str | None = None
         self._tools: _Tools | None = None
+        self._limits: list[str] = []
         self._owns_workdir = True
         self._exec_slots: anyio.Semaphore | None = None
         self._stream_limiter: anyio.CapacityLimiter | None = None
@@ -112,8 +114,11 @@ class SSHRuntime(_ConnectedRuntime):
         )
 
     def _channel_wanted(self) -> bool:
-        """The agent takes one of ``max_channels``: it needs five."""
-        return self.config.channel and self.config.max_channels >= 5
+        """The agent takes one of ``max_channels``: it needs five. Not with resource limits:
+        they are set per command on the plain path (the agent's own threads and address space
+        would count against them)."""
+        wanted = self.config.channel and self.config.max_channels >= 5
+        return wanted and not _limit_options(self.config)
 
     def _channel_stall_timeout(self) -> float:
         return self.config.io_timeout
@@ -184,13 +189,14 @@ class SSHRuntime(_ConnectedRuntime):
         lines = out.decode("utf-8", "replace").split("\n")
         if code == 6 and snap is not None:
             raise SnapshotNotFoundError(f"{snap.describe()} is gone from {self.config.destination}")
-        if code != 0 or len(lines) != 6:
+        if code != 0 or len(lines) != 7:
             detail = err.decode("utf-8", "replace").strip() or f"exit status {code}"
             raise ProvisioningError(
                 f"{self.describe()}: cannot create the sandbox directory: {detail}"
             )
-        self._dir, workdir, setsid, env, runuser, _ = lines
+        self._dir, workdir, setsid, env, runuser, prlimit, _ = lines
         self._tools = _Tools(setsid=setsid, env=env, runuser=runuser or None)
+        self._limits = _limits_prefix(self.config, prlimit or None, self.describe())
         self._owns_workdir = self.config.workdir is None
         log.debug("opened %s (workdir %s)", self.describe(), workdir)
         await self._start_channel()
@@ -409,12 +415,13 @@ class SSHRuntime(_ConnectedRuntime):
         assert self._tools is not None
         nonce = new_nonce()
         argv = _wrapper_argv(request, nonce, self._marker, self._tools, run_as)
-        command = _command_line(argv)
+        # The limits are set on the wrapper: it, runuser and the command inherit them.
+        command = _command_line([*self._limits, *argv])
         if len(command) > _INLINE_SCRIPT_LIMIT:
             spool = f"{self._dir}/x/{nonce}.args"  # the wrapper removes it once read
             short, spooled = spool_argv(argv, spool)
             await self._retrying(self._sftp_call, _sftp_write, spool, spooled)
-            command = _command_line(short)
+            command = _command_line([*self._limits, *short])
         async with self._exec_slots:
             conn, channel = await self._retrying(self._open_channel)
             remote = _RemoteCommand(channel, nonce, _sink_feeder(sink))
@@ -603,6 +610,35 @@ class SSHRuntime(_ConnectedRuntime):
         if not isinstance(config, SSHConfig):
             raise SandboxInvalidArgumentError("destroying an ssh sandbox needs its SSHConfig")
         await destroy_host_sandbox(info, config)
+
+
+def _limit_options(config: SSHConfig) -> list[str]:
+    """``prlimit`` options for the config's limits (soft and hard alike, so a command cannot
+    raise them again): ``memory`` as address space in bytes, ``pids_limit`` as processes of
+    the user."""
+    options = []
+    if config.memory is not None:
+        options.append(f"--as={config.memory * MIB}")
+    if config.pids_limit is not None:
+        options.append(f"--nproc={config.pids_limit}")
+    return options
+
+
+def _limits_prefix(config: SSHConfig, prlimit: str | None, where: str) -> list[str]:
+    """The argv prefix that runs a command under the config's limits ([] without any).
+
+    Raises:
+        ProvisioningError: limits are set and the host has no ``prlimit``.
+    """
+    options = _limit_options(config)
+    if not options:
+        return []
+    if prlimit is None:
+        raise ProvisioningError(
+            f"{where}: memory/pids_limit are set with prlimit, which the host does not have: "
+            "install util-linux there or drop the limits"
+        )
+    return [prlimit, *options, "--"]
 
 
 async def _never() -> bool:

@@ -4,6 +4,7 @@ what ``Sandbox.create`` receives, read back through the SDK's own conversion to 
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import anyio
@@ -92,3 +93,19 @@ def test_a_sigkill_is_a_result_on_modal(
             return (await rt.exec(["sh", "-c", "kill -9 $$"])).exit_code
 
     assert anyio.run(body) == 137
+
+
+def test_disk_is_refused_because_sandbox_create_takes_no_disk_size(
+    fake_service: FakeModalService, fake_modal: types.ModuleType
+) -> None:
+    """The installed SDK's ``Sandbox.create`` has no disk parameter (its definition sends
+    ``ephemeral_disk=None``), and the fake binds the same signature: were ``disk`` mapped to
+    anything, creation would fail with a ``TypeError`` instead of a config error up front."""
+    import modal
+
+    assert not {"ephemeral_disk", "disk"} & set(inspect.signature(modal.Sandbox.create).parameters)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'ephemeral_disk'"):
+        fake_modal.Sandbox.create(app=None, ephemeral_disk=1024)
+    with pytest.raises(RuntimeConfigError, match=r"disk.*Sandbox\.create takes no disk size"):
+        resolve_runtime_config(fake_config(disk="1GiB"))
+    assert fake_service.created == []

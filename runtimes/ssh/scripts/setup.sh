@@ -1,7 +1,8 @@
 # shellcheck shell=sh
 # Create a sandbox: a private directory (mktemp -d) holding work/, x/ (spooled wrapper scripts)
 # and the metadata file (read from stdin). Prints the directory, the resolved workdir and the
-# absolute paths of setsid, env and runuser (an empty line: no runuser), one per line.
+# absolute paths of setsid, env, runuser and prlimit (an empty line: not installed), one per
+# line.
 #
 # $1: the directory name prefix; $2: the metadata file name; $3: the workdir to use, created if
 # missing ("": <directory>/work); $4: a snapshot directory whose tree/ is copied as work/ by
@@ -32,4 +33,4 @@ else
   w=$(cd -- "$d/work" && pwd -P)
 fi
 printf '%s\n%s\n' "$d" "$w"
-command -v setsid; command -v env; command -v runuser || echo
+command -v setsid; command -v env; command -v runuser || echo; command -v prlimit || echo
