@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import TYPE_CHECKING
 
-from .procs import proc_stat, process_ids
+from .procs import is_running, proc_stat, process_ids
 
 if TYPE_CHECKING:
     from .wire import SweepHeader
 
+DEATH_WAIT = 1.0
+"""Seconds a sweep waits for the processes it killed to be gone."""
 MAX_PASSES = 500
 """As the script's: a bound on the passes over /proc, whatever the sandbox does."""
 PIDS_MAX = ("/sys/fs/cgroup/pids/pids.max", "/sys/fs/cgroup/pids.max")
@@ -97,7 +100,17 @@ class Sweep:
                 killed += 1
             except OSError:
                 pass
+        self.wait_for_deaths()
         return killed
+
+    def wait_for_deaths(self) -> None:
+        """A SIGKILLed process dies when it next runs: wait (at most ``DEATH_WAIT`` s) until
+        none of the killed still runs, so that the caller finds them gone."""
+        deadline = time.monotonic() + DEATH_WAIT
+        while any(is_running(proc_stat(pid)) for pid in self.seen):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
 
     def look(self, pid: int, new: bool) -> None:
         """Freeze ``pid`` if it matches (``new``: the pass before did not list it)."""
