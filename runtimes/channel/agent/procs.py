@@ -47,7 +47,7 @@ def container_command() -> int | None:
         if fields is None or fields[1] != "1":
             continue
         started = int(fields[19])
-        if first is None or started < first[0]:
+        if first is None or (started, pid) < first:
             first = (started, pid)
     return None if first is None else first[1]
 
