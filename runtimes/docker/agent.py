@@ -144,7 +144,7 @@ async def open_agent_stream(ref: _ContainerRef, interpreter: str | None) -> _Age
             stdin=True,
             stdout=True,
             stderr=True,
-            user=ref.config.user or "",
+            user=ref.user,
             workdir="/",
         )
         return _hijack(api, str(created["Id"]))

@@ -237,6 +237,9 @@ class _ContainerRef:
     config: DockerConfig
     describe: str
     """The runtime's name for it in messages (``Runtime.describe()``)."""
+    user: str = ""
+    """Who commands run as when the request names nobody: the sandbox's default user ("":
+    the container's own, root)."""
 
 
 def gone_error(ref: _ContainerRef, exc: docker.errors.APIError) -> SandboxUnavailableError:

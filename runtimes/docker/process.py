@@ -140,7 +140,7 @@ async def start_exec(ref: _ContainerRef, request: ExecRequest, nonce: str) -> _H
     import docker.errors
 
     api = ref.api
-    user = request.user if request.user is not None else ref.config.user
+    user = request.user if request.user is not None else ref.user
     # The caller's environment travels in the wrapper's arguments, never to the engine.
     command = wrapper_argv(request, nonce, mode="exec")
     for text in command:

@@ -253,6 +253,11 @@ class DockerRuntime(Runtime):
             options = container_options(
                 cfg, self.name, init, fork=self._snapshot_source is not None
             )
+            if not _is_root_user(image_user):
+                # Under no-new-privileges a root exec gains no capability from a container
+                # started as another user (root could not even chown the workdir): the
+                # keep-alive runs as root, commands as the image's user (``_ContainerRef.user``).
+                options["user"] = "0"
             self._init_is_pid1 = bool(init)
             container = await _blocking(
                 lambda: create_and_start_blocking(client, cfg, options, self._record_container),
@@ -425,7 +430,11 @@ class DockerRuntime(Runtime):
 
     def _ref(self) -> _ContainerRef:
         return _ContainerRef(
-            self._require_client().api, self._require_id(), self.config, self.describe()
+            self._require_client().api,
+            self._require_id(),
+            self.config,
+            self.describe(),
+            self._default_user or "",
         )
 
     async def stop_processes(self) -> int:

@@ -171,7 +171,9 @@ async def _commit(ref: _ContainerRef, labels: dict[str, str], *, pause: bool) ->
             repository=REPOSITORY,
             tag=labels[SNAPSHOT],
             pause=pause,
-            conf={"Labels": labels},
+            # A sandbox of a non-root user runs its keep-alive as root (see _create_container):
+            # the image records the sandbox's user, for its forks to run as.
+            conf={"Labels": labels, **({"User": ref.user} if ref.user else {})},
         )
         return str(done["Id"])
 

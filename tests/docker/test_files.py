@@ -14,6 +14,8 @@ from runtimes import (
     OutputLimitExceededError,
     SandboxNotADirectoryError,
     SandboxPermissionError,
+    open_runtime,
+    remove_snapshot,
 )
 from runtimes.pytest_plugin import DockerRuntimeFactory
 from tests.docker.conftest import IMAGE
@@ -109,3 +111,26 @@ async def test_an_images_own_user_is_the_sandbox_user(
         assert (await rt.exec(["stat", "-c", "%U", "by-image-user.txt"])).stdout == "nobody\n"
         with pytest.raises(SandboxPermissionError):
             await rt.read("/etc/shadow")
+
+
+async def test_an_images_own_user_keeps_root_capabilities_out_of_its_reach_and_its_forks(
+    nonroot_image: str, docker_runtime_factory: DockerRuntimeFactory
+) -> None:
+    """Under no-new-privileges a root exec in a container started as ``nobody`` would have no
+    capability at all: the keep-alive runs as root, the commands and the agent as the
+    image's user, and a fork runs as its source did."""
+    probe = "stat -c %U /proc/1 && grep CapEff /proc/self/status"
+    async with docker_runtime_factory(image=nonroot_image) as rt:
+        owner, effective = (await rt.exec(["sh", "-c", probe])).stdout.split("\n", 1)
+        assert owner == "root" and effective.split()[1] == "0000000000000000"
+        await rt.write("from-source.txt", b"kept")
+        snap = await rt.snapshot()
+    try:
+        config = {"type": "docker", "image": nonroot_image}
+        async with open_runtime(config, snapshot=snap) as fork:
+            assert (await fork.exec(["id", "-un"])).stdout == "nobody\n"
+            assert await fork.read("from-source.txt") == b"kept"
+            await fork.write("in-fork.txt", b"x")
+            assert (await fork.exec(["stat", "-c", "%U", "in-fork.txt"])).stdout == "nobody\n"
+    finally:
+        await remove_snapshot(snap)
