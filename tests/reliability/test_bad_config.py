@@ -55,7 +55,7 @@ BAD_CONFIGS: list[tuple[dict[str, Any], list[str]]] = [
     ({**SSH_BASE, "host_key": "not a key"}, ["host_key"]),
     ({**SSH_BASE, "connect_timeout": 0, "max_channels": 1}, ["connect_timeout", "max_channels"]),
     ({**SSH_BASE, "password": 12345}, ["password"]),
-    ({**SSH_BASE, "memory": 512, "cpus": 1}, ["memory", "cpus", "cannot enforce"]),
+    ({**SSH_BASE, "disk": 512, "cpus": 1}, ["disk", "cpus", "cannot enforce"]),
     ({"type": "modal", "workdir": "rel"}, ["workdir"]),
     ({"type": "modal", "timeout": 1}, ["timeout"]),
     ({"type": "modal", "cidr_allowlist": ["not-a-cidr"]}, ["cidr_allowlist"]),
