@@ -41,6 +41,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "Turn",
+    "TurnRecorder",
     "call_model",
     "for_policy",
     "task_messages",
@@ -78,6 +79,14 @@ class Budget(BaseModel):
     max_seconds: float | None = Field(default=None, gt=0)
 
 
+TurnRecorder = Literal["harness", "proxy"]
+"""Who recorded a :class:`Turn`. ``harness``: a host-side harness loop built the request and
+ran the tools itself, so the messages are what was sent (their *content* still came from the
+model and the sandbox). ``proxy``: the model proxy relayed an installed agent's request; the
+request's messages are the agent's claim about the conversation so far, only the reply (and
+the fact that a request was made) is what the host itself saw."""
+
+
 class TraceError(BaseModel):
     """A typed reason why a run ended early."""
 
@@ -111,6 +120,23 @@ class Turn(BaseModel):
     latency: float = 0.0
     status_code: int | None = None
     error: str | None = None
+    recorded_by: TurnRecorder = Field(
+        default="harness",
+        description=(
+            "who recorded this turn: 'harness' (the host-side harness loop sent the request "
+            "itself), or 'proxy' (the model proxy saw an installed agent's request: its "
+            "`request_messages` are the history the agent *claims*, only the reply is seen)"
+        ),
+    )
+    dropped_params: list[str] = Field(
+        default_factory=list,
+        description="request fields the model proxy dropped (not on its allowlist for the mode)",
+    )
+    proxy_notes: list[str] = Field(
+        default_factory=list,
+        description="what else the model proxy changed: a clamped max_tokens, content cut "
+        "from this record, a reply cut at the budget",
+    )
 
 
 def utc_now() -> _dt.datetime:
@@ -385,8 +411,34 @@ def for_policy(harness: Harness, runtime: Runtime) -> Harness:
     """The harness that runs a rollout's policy in ``runtime``: the same, with its commands
     run as the runtime's :attr:`~runtimes.base.Runtime.policy_user` when the runtime keeps
     one and the harness has a ``user`` setting left unset (``bash``, installed harnesses).
-    Its installs still run as the sandbox's default user."""
+    Its installs still run as the sandbox's default user.
+
+    Raises:
+        HarnessConfigError: the runtime keeps a policy account and the harness runs
+            commands (``needs_runtime``) but has no ``user`` setting: its commands would run
+            as the sandbox's default user (root), with more privilege than the policy has.
+    """
     user = runtime.policy_user
+    settable = "user" in type(harness.config).model_fields
+    if user is not None and harness.needs_runtime and not settable:
+        raise HarnessConfigError(
+            f"the {harness.id!r} harness has no 'user' setting, so its commands cannot run as "
+            f"the policy account {user!r}: add a 'user' field to its config, or set "
+            "policy_user=None in the runtime config to run the policy as the default user"
+        )
+    return run_as(harness, user)
+
+
+def for_judge(harness: Harness, runtime: Runtime) -> Harness:
+    """The harness that runs a judge in ``runtime``: its commands run as the runtime's
+    :attr:`~runtimes.base.Runtime.judge_user` where there is one (the judges' own account:
+    neither root nor the policy's), as :func:`for_policy` does for the policy."""
+    return run_as(harness, runtime.judge_user)
+
+
+def run_as(harness: Harness, user: str | None) -> Harness:
+    """``harness`` with its commands run as ``user``, unless ``user`` is ``None``, the
+    harness has no ``user`` setting, or the caller set one (which wins)."""
     config = harness.config
     if user is None or getattr(config, "user", None) or "user" not in type(config).model_fields:
         return harness
@@ -458,6 +510,14 @@ class Harness(abc.ABC):
         the run then ends with ``sandbox_error`` on its trace.
         """
         del hook
+        return False
+
+    def set_command_user(self, user_for: Callable[[str], str | None]) -> bool:
+        """Ask that each command the agent runs in the sandbox run as ``user_for(command)``.
+        Returns whether this harness can: one that runs its agent as a single process (an
+        installed agent) cannot, and the default says so (``False``).
+        """
+        del user_for
         return False
 
     def _require_runtime(self, runtime: Runtime | None) -> Runtime:

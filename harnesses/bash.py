@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Literal, Protocol
 
@@ -49,6 +49,7 @@ from runtimes import (
     SandboxUnavailableError,
     ShellSessionError,
 )
+from runtimes.machinery import MACHINERY_PATH, run_machinery
 from runtimes.models import MiB
 from runtimes.shell import ShellSession
 
@@ -211,21 +212,29 @@ class _FreshShells:
     timeout_note = "the command was killed"
     capped_note = "killed"
 
-    def __init__(self, runtime: Runtime, shell: str, config: BashConfig):
+    def __init__(
+        self,
+        runtime: Runtime,
+        shell: str,
+        config: BashConfig,
+        user_for: Callable[[str], str | None] | None = None,
+    ):
         self._runtime = runtime
         self._shell = shell
         self._config = config
+        self._user_for = user_for
 
     async def run(self, command: str) -> ExecResult:
         """Raises what :meth:`runtimes.Runtime.exec` raises."""
         config = self._config
+        user = config.user if self._user_for is None else self._user_for(command)
         env = {**config.env, **config.shell_vars}
         return await self._runtime.exec(
             [self._shell, "-c", _unexport(list(config.shell_vars)) + command],
             timeout=config.per_call_timeout,
             cwd=config.cwd,
             env=env or None,
-            user=config.user,
+            user=user,
             output_limit=config.exec_output_limit,
         )
 
@@ -343,6 +352,16 @@ class BashHarness(Harness):
         self.config: BashConfig
         self._shells: weakref.WeakKeyDictionary[Runtime, str] = weakref.WeakKeyDictionary()
         self._hooks: list[CommandHook] = []
+        self._user_for: Callable[[str], str | None] | None = None
+
+    def set_command_user(self, user_for: Callable[[str], str | None]) -> bool:
+        """Run each command as ``user_for(command)`` instead of the ``user`` setting (a
+        judge's commands that write its verdict as the judge's account, the rest as the
+        policy's). Returns ``True``; a persistent shell (``persistent_shell``) is one
+        process and keeps the ``user`` setting.
+        """
+        self._user_for = user_for
+        return True
 
     def add_command_hook(self, hook: CommandHook) -> bool:
         """Run ``await hook(runtime, command, result)`` after each command (also one that
@@ -409,7 +428,7 @@ class BashHarness(Harness):
         """Where this run's commands run; a persistent session is opened here and closed
         when the run ends, however it ends."""
         if not self.config.persistent_shell:
-            yield _FreshShells(runtime, await self._shell_for(runtime), self.config)
+            yield _FreshShells(runtime, await self._shell_for(runtime), self.config, self._user_for)
             return
         shell = _PersistentShell(runtime, self.config)
         try:
@@ -530,9 +549,14 @@ class BashHarness(Harness):
 
 
 async def _probe_shell(runtime: Runtime) -> str:
-    """``bash`` if the sandbox has it, else ``sh``."""
+    """``bash`` if the sandbox has it on the ``PATH`` its commands get, else ``sh``. The
+    probe itself is the machinery's ``sh`` (fixed ``PATH``, cwd ``/``); it only looks the
+    name up in the caller's ``PATH``, it runs nothing from there."""
+    search = runtime.config.env.get("PATH", MACHINERY_PATH)
     try:
-        probe = await runtime.exec(["sh", "-c", "command -v bash"], timeout=30)
+        probe = await run_machinery(
+            runtime, ["sh", "-c", "PATH=$1; command -v bash", "sh", search], timeout=30
+        )
     except SandboxFileNotFoundError:
         return "bash"  # no sh either: let each call report the missing shell
     return "bash" if probe.exit_code == 0 else "sh"

@@ -6,7 +6,7 @@ forward a harness's chat-completion request upstream. It parks it in a
 caller (an RL trainer generating with its own model) answers with a :class:`Completion`
 and the proxy replies to the harness with an OpenAI-shaped chat completion built from it.
 
-Threads: the proxy serves each connection on a thread of its own, so :meth:`RequestGate.park`
+Threads: the proxy runs each request's handler on a worker thread, so :meth:`RequestGate.park`
 blocks that thread until the completion arrives, the delivery timeout passes or the gate is
 closed. The gate is created inside an event loop (asyncio or trio, through anyio) and
 calls its :class:`GateListener` back in that loop's thread; :meth:`RequestGate.deliver`
@@ -58,8 +58,11 @@ class InterceptedRequest(BaseModel, Mapping[str, Any]):
     """One model call of the harness, as it sent it, parked until the caller answers.
 
     ``messages`` and ``tools`` are the request's own (a copy: changing them changes nothing
-    the harness or the trace holds); ``params`` is every other field of the request body
-    (``temperature``, ``max_tokens``, ``tool_choice``, ...), for a trainer that honours them.
+    the harness or the trace holds); ``params`` is what else of the request the proxy lets
+    a harness ask for in a gated run (:data:`~harnesses.proxy_requests.GATED_PARAMS`:
+    ``tool_choice``, ``parallel_tool_calls``, ``stop``). The sampling is the trainer's: the
+    request's ``temperature``, ``max_tokens``, ``n``, ``seed``, ``logit_bias``, engine flags
+    ... never get here (the proxy drops them and names them on the turn).
 
     It is also a read-only mapping, for code written against the dict-shaped contract
     (``next_request() -> dict``): ``req["messages"]``, ``req["tools"]``,

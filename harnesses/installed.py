@@ -24,6 +24,26 @@ locked:
    venv is created and the package installed with ``pip install --no-index
    --find-links``; each install appends a line to ``install.log`` there. Concurrent
    setups from this process install once (a host-side lock per sandbox and requirements).
+5. The venv is checked against the wheels the host uploaded
+   (:func:`harnesses.wheel_check.verify_install`): each file a wheel's ``RECORD`` lists,
+   opened without following links, must have the wheel's sha256 and size; every pinned
+   requirement must come from the wheelhouse, no other distribution or ``.pth`` file may
+   appear. Only then is the tree digest of step 1 taken (once before the check and once
+   after: they must agree). So the digest fingerprints what the host meant to install,
+   not whatever a step the sandbox could influence left.
+
+Every command of the machinery here runs through :func:`runtimes.machinery.run_machinery`
+(as the sandbox's default user, cwd ``/``, a fixed system ``PATH``, no shell start-up
+files, no pip configuration), and every Python it starts is isolated: ``python -I -m venv``,
+``<venv>/bin/python -I -m pip install --isolated --no-input --no-cache-dir
+--only-binary=:all:``, the version and platform probes under ``-I`` (``-I -S`` where no
+site-packages are needed). The policy's working directory, a ``pip/``, ``venv/``,
+``platform.py``, ``json.py``, ``sitecustomize.py`` or ``.pth`` it left there, a
+``python3`` early on the image's ``PATH``, ``PYTHONPATH`` or ``PIP_*`` settings in the
+image's environment: none of it is loaded. ``python`` in the config is searched in that
+fixed ``PATH``; give an absolute path for an interpreter elsewhere. An agent launched
+through :meth:`InstalledHarness.venv_entry` runs its console script under the venv's
+``python -I -B -u`` too.
 
 A run starts a :class:`~harnesses.proxy.ModelProxy` reachable from the sandbox
 (:func:`~harnesses.proxy.route_to_host`), registers the run with a fresh secret, and
@@ -43,11 +63,8 @@ from __future__ import annotations
 import abc
 import hashlib
 import logging
-import os
 import re
 import secrets
-import sys
-import tempfile
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,11 +82,14 @@ from runtimes import (
     SandboxTransportError,
     SandboxUnavailableError,
 )
+from runtimes.machinery import isolated_python, run_machinery
 
 from .base import Budget, BudgetClock, Harness, HarnessConfig, Trace
 from .errors import HarnessConfigError, HarnessInstallError, ProxyRouteError
 from .llm import Message, ModelEndpoint
 from .proxy import ModelProxy, ProxyRoute, ProxyRun, route_to_host
+from .wheel_check import verify_install
+from .wheelhouse import SandboxPython, prepare_wheelhouse, wheelhouse_cache_dir
 
 __all__ = [
     "AgentLaunch",
@@ -107,9 +127,9 @@ exec 9>>"$dir/install.lock"
 if ! flock -w "$wait" 9; then
   echo "vf-install: timed out waiting for $dir/install.lock" >&2; exit 91
 fi
-"$py" -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-  --no-index --find-links "$wheels" "$@"
+"$py" -I -m venv "$venv"
+"$venv/bin/python" -I -m pip install --isolated --no-input --disable-pip-version-check \
+  --no-cache-dir --quiet --only-binary=:all: --no-index --find-links "$wheels" "$@"
 echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) installed $req into $venv pid=$$" >> "$dir/install.log"
 echo "vf-install: installed $req"
 """
@@ -185,87 +205,6 @@ class InstalledConfig(HarnessConfig):
     output_limit: int = Field(default=16 * 1024 * 1024, gt=0)
 
 
-@dataclass(frozen=True)
-class SandboxPython:
-    """The sandbox interpreter a wheelhouse must fit."""
-
-    version: str
-    machine: str
-    glibc: str
-
-    def pip_platforms(self) -> list[str]:
-        """The ``--platform`` tags pip may pick wheels for (manylinux up to this glibc)."""
-        tags = [f"linux_{self.machine}"]
-        match = re.fullmatch(r"2\.(\d+)", self.glibc)
-        if match is not None:
-            newest = int(match.group(1))
-            tags += [f"manylinux_2_{minor}_{self.machine}" for minor in range(5, newest + 1)]
-            tags += [f"manylinux2014_{self.machine}", f"manylinux2010_{self.machine}"]
-            tags += [f"manylinux1_{self.machine}"]
-        return tags
-
-    def cache_key(self, requirements: Sequence[str]) -> str:
-        label = re.sub(r"[^A-Za-z0-9_.-]+", "_", requirements[0])
-        digest = hashlib.sha256(f"{list(requirements)}|{self}".encode()).hexdigest()[:12]
-        return f"{label}-py{self.version}-{self.machine}-{digest}"
-
-
-def wheelhouse_cache_dir() -> Path:
-    """Where host-built wheelhouses are cached (``VF_SANDBOX_CACHE`` or ``~/.cache``)."""
-    base = os.environ.get("VF_SANDBOX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vf-sandbox"
-    )
-    return Path(base) / "wheelhouses"
-
-
-async def prepare_wheelhouse(requirements: Sequence[str], target: SandboxPython) -> Path:
-    """A host directory holding wheels of ``requirements`` and their dependencies for ``target``.
-
-    Cached: a complete wheelhouse is reused; a new one is downloaded into a temporary
-    directory and renamed into place, so concurrent preparations never see half of one.
-
-    Raises:
-        HarnessInstallError: pip could not download the wheels (the message has pip's output).
-    """
-    cache = wheelhouse_cache_dir()
-    final = cache / target.cache_key(requirements)
-    if (final / ".complete").is_file():
-        return final
-    await anyio.Path(cache).mkdir(parents=True, exist_ok=True)
-    staging = Path(await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(dir=cache)))
-    argv = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check"]
-    argv += ["--only-binary=:all:", "--python-version", target.version, "--dest", str(staging)]
-    for platform_tag in target.pip_platforms():
-        argv += ["--platform", platform_tag]
-    argv += list(requirements)
-    result = await anyio.run_process(argv, check=False)
-    if result.returncode != 0:
-        await anyio.to_thread.run_sync(_remove_tree, staging)
-        raise HarnessInstallError(
-            f"pip could not download {' '.join(requirements)} for python {target.version} "
-            f"({target.machine}, glibc {target.glibc}): {_tail(result.stderr)}"
-        )
-    await anyio.Path(staging / ".complete").touch()
-    await anyio.to_thread.run_sync(_place_directory, staging, final)
-    return final
-
-
-def _place_directory(staging: Path, final: Path) -> None:
-    try:
-        staging.rename(final)
-    except OSError:
-        # Someone else placed it first (rename onto a non-empty directory fails): keep theirs.
-        _remove_tree(staging)
-        if not (final / ".complete").is_file():
-            raise
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _tail(data: bytes | str, limit: int = 3000) -> str:
     text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
     text = text.strip()
@@ -287,6 +226,7 @@ class _Install:
 
     venv: str
     digest: str
+    site: str  # site-packages, relative to the venv
 
 
 # Per sandbox (the runtime object, held weakly): install key -> what this process installed.
@@ -315,6 +255,7 @@ class InstalledHarness(Harness):
         super().__init__(config)
         self.config: InstalledConfig
         self._venv: str | None = None
+        self._site: str | None = None
 
     # ------------------------------------------------------------------ paths
 
@@ -347,8 +288,26 @@ class InstalledHarness(Harness):
             raise HarnessConfigError(f"{self.requirement} is not set up: call setup() first")
         return self._venv
 
+    @property
+    def site_packages(self) -> str:
+        """The site-packages directory of :attr:`venv` (as verified by :meth:`setup`).
+
+        Raises:
+            HarnessConfigError: no venv was set up yet.
+        """
+        if self._site is None:
+            raise HarnessConfigError(f"{self.requirement} is not set up: call setup() first")
+        return f"{self.venv}/{self._site}"
+
     def venv_bin(self, program: str) -> str:
         return f"{self.venv}/bin/{program}"
+
+    def venv_entry(self, script: str) -> list[str]:
+        """The argv prefix that runs the venv's console script ``script`` under the venv's
+        isolated Python (``-I``: nothing from the current directory, the user site or
+        ``PYTHON*`` variables; ``-B``: no bytecode written into the verified tree; ``-u``:
+        output as it is written, as ``PYTHONUNBUFFERED`` would, which ``-I`` ignores)."""
+        return [self.venv_bin("python"), "-I", "-B", "-u", self.venv_bin(script)]
 
     # ------------------------------------------------------------------ install
 
@@ -362,8 +321,10 @@ class InstalledHarness(Harness):
         known = await self._verified(runtime)
         if known is None:
             return None
-        probe = await runtime.exec(
-            [f"{known.venv}/bin/python", "-c", _VERSION_CHECK, self.package], timeout=60
+        probe = await run_machinery(
+            runtime,
+            isolated_python(f"{known.venv}/bin/python", "-c", _VERSION_CHECK, self.package),
+            timeout=60,
         )
         return probe.stdout.strip() if probe.exit_code == 0 else None
 
@@ -384,7 +345,7 @@ class InstalledHarness(Harness):
             if known is None:
                 known = await self._install(sandbox)
                 _INSTALLS.setdefault(sandbox, {})[self.install_key] = known
-            self._venv = known.venv
+            self._venv, self._site = known.venv, known.site
 
     async def _verified(self, runtime: Runtime) -> _Install | None:
         """The install this process made in ``runtime``, if its tree digest still matches."""
@@ -404,8 +365,10 @@ class InstalledHarness(Harness):
         return None
 
     async def _tree_digest(self, runtime: Runtime, venv: str) -> str | None:
-        probe = await runtime.exec(
-            [self.config.python, "-I", "-S", "-c", _TREE_DIGEST, venv], timeout=600
+        probe = await run_machinery(
+            runtime,
+            isolated_python(self.config.python, "-c", _TREE_DIGEST, venv, site=False),
+            timeout=600,
         )
         digest = probe.stdout.strip()
         if probe.exit_code != 0 or not re.fullmatch(r"[0-9a-f]{64}", digest):
@@ -416,16 +379,17 @@ class InstalledHarness(Harness):
         tag = hashlib.sha256("\n".join(self.requirements).encode()).hexdigest()[:8]
         base = f"{self.agent_dir}/{self.config.version}-{tag}-{secrets.token_hex(8)}"
         venv = f"{base}/venv"
-        made = await runtime.exec(
-            ["sh", "-c", _MAKE_BASE, "vf-install", self.config.install_root, self.agent_dir, base]
+        made = await run_machinery(
+            runtime,
+            ["sh", "-c", _MAKE_BASE, "vf-install", self.config.install_root, self.agent_dir, base],
         )
         if made.exit_code != 0:
             raise HarnessInstallError(f"cannot create {base}: {_tail(made.stderr)}")
-        wheels = await self._upload_wheelhouse(runtime, f"{base}/wheelhouse")
+        local, wheels = await self._upload_wheelhouse(runtime, f"{base}/wheelhouse")
         argv = ["sh", "-c", _INSTALL_SCRIPT, "vf-install", self.agent_dir, base, venv, wheels]
         argv += [self.config.python, str(int(self.config.lock_timeout)), *self.requirements]
         try:
-            result = await runtime.exec(argv, timeout=self.config.install_timeout)
+            result = await self._run_install(runtime, argv)
         except ExecTimeoutError as exc:
             raise HarnessInstallError(
                 f"installing {self.requirement} took longer than {self.config.install_timeout}s: "
@@ -436,13 +400,19 @@ class InstalledHarness(Harness):
                 f"installing {self.requirement} into {runtime.describe()} failed "
                 f"(exit {result.exit_code}): {_tail(result.stderr or result.stdout)}"
             )
+        # The digest before and after the check against the wheels must agree: what the
+        # check read is what the fingerprint pins.
+        before = await self._tree_digest(runtime, venv)
+        site = await verify_install(runtime, self.config.python, venv, local, self.requirements)
         digest = await self._tree_digest(runtime, venv)
-        if digest is None:
+        if digest is None or before is None:
             raise HarnessInstallError(
                 f"cannot compute the tree digest of {venv} with {self.config.python!r}"
             )
+        if digest != before:
+            raise HarnessInstallError(f"{venv} changed while it was verified")
         log.info("%s: %s", runtime.describe(), result.stdout.strip())
-        return _Install(venv, digest)
+        return _Install(venv, digest, site)
 
     async def sandbox_python(self, runtime: Runtime) -> SandboxPython:
         """The sandbox interpreter's version, machine and glibc.
@@ -452,7 +422,11 @@ class InstalledHarness(Harness):
             SandboxError: the sandbox failed.
         """
         try:
-            probe = await runtime.exec([self.config.python, "-c", _PYTHON_PROBE], timeout=60)
+            probe = await run_machinery(
+                runtime,
+                isolated_python(self.config.python, "-c", _PYTHON_PROBE, site=False),
+                timeout=60,
+            )
         except SandboxError as exc:
             if isinstance(exc, SandboxUnavailableError | SandboxTransportError):
                 raise
@@ -467,8 +441,13 @@ class InstalledHarness(Harness):
             )
         return SandboxPython(*fields)
 
-    async def _upload_wheelhouse(self, runtime: Runtime, remote: str) -> str:
-        """Upload the wheelhouse to ``remote`` (inside the fresh install directory)."""
+    async def _run_install(self, runtime: Runtime, argv: list[str]) -> ExecResult:
+        """Run the install script (venv + pip) as the machinery."""
+        return await run_machinery(runtime, argv, timeout=self.config.install_timeout)
+
+    async def _upload_wheelhouse(self, runtime: Runtime, remote: str) -> tuple[Path, str]:
+        """Upload the wheelhouse to ``remote`` (inside the fresh install directory);
+        return the host's directory and ``remote``."""
         if self.config.wheelhouse is not None:
             given = anyio.Path(self.config.wheelhouse)
             if not await given.is_dir():
@@ -478,7 +457,7 @@ class InstalledHarness(Harness):
             target = await self.sandbox_python(runtime)
             local = await prepare_wheelhouse(self.requirements, target)
         await runtime.upload(local, remote)
-        return remote
+        return local, remote
 
     # ------------------------------------------------------------------ run
 
@@ -554,11 +533,11 @@ class InstalledHarness(Harness):
         trace: Trace,
     ) -> None:
         run_dir = f"{self.agent_dir}/runs/{secrets.token_hex(8)}"
-        made = await runtime.exec(["mkdir", "-p", run_dir])
+        made = await run_machinery(runtime, ["mkdir", "-p", "--", run_dir])
         if made.exit_code == 0 and self.config.user is not None:
             if self.config.user == runtime.policy_user:
                 await runtime.prepare_policy_user()
-            made = await runtime.exec(["chown", "--", f"{self.config.user}:", run_dir])
+            made = await run_machinery(runtime, ["chown", "--", f"{self.config.user}:", run_dir])
         if made.exit_code != 0:
             raise HarnessInstallError(f"cannot create the run directory {run_dir}: {made.stderr}")
         with proxy.open_run(model, trace, budget) as proxy_run:

@@ -1,12 +1,13 @@
 """The ``mini-swe-agent`` harness: mini-SWE-agent (PyPI ``mini-swe-agent``) installed into
 the sandbox and run there non-interactively, its model calls routed through the proxy.
 
-It runs the agent's own CLI, ``mini``, in yolo mode with ``--exit-immediately`` (no
-confirmation prompts, no question at the end), the built-in ``mini.yaml`` config and
-litellm's OpenAI-compatible provider pointed at the proxy::
+It runs the agent's own CLI, ``mini`` (its console script under the venv's
+``python -I -B -u``: nothing of the current directory on ``sys.path``), in yolo mode with
+``--exit-immediately`` (no confirmation prompts, no question at the end), the built-in
+``mini.yaml`` config and litellm's OpenAI-compatible provider pointed at the proxy::
 
     mini --yolo --exit-immediately --model openai/vf-proxy --task TASK --cost-limit 0 \\
-         --output RUN_DIR/trajectory.json -c mini.yaml \\
+         --output RUN_DIR/trajectory.json -c SITE_PACKAGES/minisweagent/config/mini.yaml \\
          -c model.model_kwargs.api_base="PROXY_URL" -c environment.timeout=60 ...
 
 with ``OPENAI_API_KEY`` set to the run's proxy secret, ``MSWEA_CONFIGURED`` (skips the
@@ -40,8 +41,10 @@ _LOG_TAIL = 4000
 class MiniSweAgentConfig(InstalledConfig):
     """Config of the ``mini-swe-agent`` harness.
 
-    ``config_specs`` are mini's ``-c`` config files (built-in names such as ``mini.yaml``
-    or sandbox paths); ``overrides`` are extra ``key.path=value`` settings.
+    ``config_specs`` are mini's ``-c`` config files: a relative name is one of mini's
+    built-in configs (``mini.yaml``, ``benchmarks/swebench.yaml``), resolved in the
+    verified venv; an absolute one a sandbox path. ``overrides`` are extra
+    ``key.path=value`` settings.
     ``model_retries`` is how many attempts mini makes per model call
     (``MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT``); a budget refusal stops the agent at once
     whatever it is.
@@ -78,11 +81,11 @@ class MiniSweAgentHarness(InstalledHarness):
         self, task: str, *, base_url: str, api_key: str, run_dir: str, budget: Budget
     ) -> AgentLaunch:
         cfg = self.config
-        argv = [self.venv_bin("mini"), "--yolo", "--exit-immediately"]
+        argv = [*self.venv_entry("mini"), "--yolo", "--exit-immediately"]
         argv += ["--model", cfg.model_name, "--task", task, "--cost-limit", "0"]
         argv += ["--output", f"{run_dir}/{_TRAJECTORY}"]
         for spec in cfg.config_specs:
-            argv += ["-c", spec]
+            argv += ["-c", self.config_path(spec)]
         settings: dict[str, Any] = {
             "model.model_kwargs.api_base": base_url,
             "environment.timeout": cfg.command_timeout,
@@ -104,6 +107,18 @@ class MiniSweAgentHarness(InstalledHarness):
             "PYTHONUNBUFFERED": "1",
         }
         return AgentLaunch(argv=argv, env=env)
+
+    def config_path(self, spec: str) -> str:
+        """The absolute sandbox path of config file ``spec``: an absolute path as given, a
+        relative one (``mini.yaml``, ``benchmarks/swebench.yaml``) in mini's built-in config
+        directory of the verified venv. Never a name mini would look up in its working
+        directory first (where a judge's cwd may hold a ``mini.yaml`` the policy left).
+        """
+        if not spec.endswith(".yaml"):
+            spec += ".yaml"
+        if spec.startswith("/"):
+            return spec
+        return f"{self.site_packages}/minisweagent/config/{spec}"
 
     async def collect(
         self, runtime: Runtime, run_dir: str, result: ExecResult | None, trace: Trace

@@ -8,7 +8,9 @@ Tests and the offline demo use it in place of a provider::
         ...
     assert server.failures == []
 
-It serves ``POST /v1/chat/completions`` on 127.0.0.1 (a free port), answers each request
+It serves ``POST /v1/chat/completions`` on 127.0.0.1 (a free port; on the server of
+:mod:`harnesses._http`, with its limits; the API key, when given, checked before a body is
+read; JSON parsed with the proxy's bounds), answers each request
 with the next item of the script (a text reply, tool calls in OpenAI's ``tool_calls``
 format with usage numbers, or a scripted HTTP error such as 429 or 500), and records
 every request. Each request is checked to be well formed: ``model``, a ``messages`` list
@@ -41,6 +43,7 @@ from pydantic import BaseModel, Field
 
 from ._http import HTTPRequest, HTTPResponse, LocalHTTPServer, error_response, json_response
 from .llm import ModelEndpoint, Usage
+from .proxy_requests import ProxyRequestError, parse_json_bounded
 
 __all__ = [
     "RecordedRequest",
@@ -278,7 +281,9 @@ class ScriptedEndpoint:
         self._ids = itertools.count(1)
         self.requests: list[RecordedRequest] = []
         self.failures: list[str] = []
-        self._server = LocalHTTPServer(self._handle, host=host, port=port)
+        self._server = LocalHTTPServer(
+            self._handle, host=host, port=port, admit=self._admit if api_key is not None else None
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -333,6 +338,13 @@ class ScriptedEndpoint:
 
     # ------------------------------------------------------------------ serving
 
+    def _admit(self, head: HTTPRequest) -> HTTPResponse | None:
+        """With an API key: a request without it is refused before its body is read."""
+        token = head.bearer_token()
+        if token == self._api_key:
+            return None
+        return self._reject(head, None, token, 401, "missing or wrong API key")
+
     def _handle(self, request: HTTPRequest) -> HTTPResponse:
         token = request.bearer_token()
         if request.method != "POST" or request.path.rstrip("/") != CHAT_PATH:
@@ -340,11 +352,9 @@ class ScriptedEndpoint:
                 request, None, token, 404, f"no route {request.method} {request.path}"
             )
         try:
-            body = json.loads(request.body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return self._reject(request, None, token, 400, f"request body is not JSON: {exc}")
-        if self._api_key is not None and token != self._api_key:
-            return self._reject(request, body, token, 401, "missing or wrong API key")
+            body = parse_json_bounded(request.body)
+        except ProxyRequestError as exc:
+            return self._reject(request, None, token, exc.status, str(exc))
         problem = validate_chat_request(body, model=self.model)
         if problem is not None:
             return self._reject(request, body, token, 400, problem)

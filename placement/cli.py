@@ -58,7 +58,14 @@ from .cli_exec import (
     run_interruptible,
     strip_separator,
 )
-from .cli_output import package_version, print_json, print_table, shorten
+from .cli_output import (
+    package_version,
+    print_json,
+    print_table,
+    say,
+    shorten,
+    terminal_safe_logging,
+)
 from .cli_shell import add_shell_command, keep_config, kept_notices
 from .errors import PlacementConfigError, PlacementError
 
@@ -191,14 +198,14 @@ async def list_labelled(
             cls, config, infos = await list_target(target)
         except SandboxError as exc:
             reason = str(exc) if str(exc) == NOT_LISTABLE else f"{type(exc).__name__}: {exc}"
-            print(f"{name}: not listed ({reason})", file=sys.stderr)
+            say(f"{name}: not listed ({reason})", stderr=True)
             unlisted.append({"backend": name, "error": reason})
             continue
         found += [_listed(info) for info in infos]
         try:
             taken = await cls.list_snapshots(config)
         except SandboxError as exc:
-            print(f"{name}: snapshots not listed ({type(exc).__name__}: {exc})", file=sys.stderr)
+            say(f"{name}: snapshots not listed ({type(exc).__name__}: {exc})", stderr=True)
             continue
         for snap in taken:
             snapshots.append(
@@ -300,12 +307,12 @@ def cmd_judge(args: argparse.Namespace) -> int:
 
     def progress(run: AgentRun) -> None:
         status = "ok" if run.ok else f"FAILED ({run.error_type})"
-        print(f"  judge {run.name}: {status} in {run.seconds:.1f}s", file=sys.stderr, flush=True)
+        say(f"  judge {run.name}: {status} in {run.seconds:.1f}s", stderr=True, flush=True)
 
     def judge(specs: list[Any], models: ModelTable, label: str) -> list[AgentRun]:
-        print(
+        say(
             f"judging {args.rollout} with {len(specs)} judges on {runtime.type} ({label})",
-            file=sys.stderr,
+            stderr=True,
             flush=True,
         )
         return anyio.run(
@@ -327,7 +334,7 @@ def cmd_judge(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.write_text(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
     print_judge_report(args, runtime.type, runs)
-    print(f"\nagent runs written to {out}", file=sys.stderr)
+    say(f"\nagent runs written to {out}", stderr=True)
     return 0 if all(r.ok for r in runs) else 1
 
 
@@ -537,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def report_error(exc: BaseException) -> None:
-    print(f"vf-sandbox: {type(exc).__name__}: {exc}", file=sys.stderr)
+    say(f"vf-sandbox: {type(exc).__name__}: {exc}", stderr=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -552,6 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # paramiko logs a failed handshake's traceback from its own thread; the SSH backend
     # already turns it into a typed one-line error.
     logging.getLogger("paramiko").setLevel(logging.CRITICAL)
+    terminal_safe_logging()
     if args.command == "exec":
         args.argv = strip_separator(args.argv)
         if not args.argv:
@@ -561,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except (Interrupted, KeyboardInterrupt):
-        print("vf-sandbox: interrupted", file=sys.stderr)
+        say("vf-sandbox: interrupted", stderr=True)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`| head`): stay quiet, like a local command killed by SIGPIPE.

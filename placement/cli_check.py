@@ -18,7 +18,7 @@ from runtimes import RuntimeConfig
 from runtimes.testing import CHECKS, Check, CheckOutcome, CheckSkipped, run_check
 
 from .cli_exec import Interrupted, run_interruptible
-from .cli_output import print_json, print_table, shorten
+from .cli_output import print_json, print_table, say, shorten
 
 
 def known_check(name: str) -> str:
@@ -91,5 +91,5 @@ def check_runtime(args: argparse.Namespace, config: RuntimeConfig) -> int:
                 for o in outcomes
             ],
         )
-        print(f"\n{config.type}: {passed} passed, {failed} failed, {skipped} skipped")
+        say(f"\n{config.type}: {passed} passed, {failed} failed, {skipped} skipped")
     return 1 if failed or not outcomes else 0

@@ -26,6 +26,8 @@ from runtimes import (
 from runtimes.errors import names_the_program
 from runtimes.models import Stream
 
+from .cli_output import say
+
 T = TypeVar("T")
 
 EXIT_ERROR = 1
@@ -63,6 +65,7 @@ def read_piped_stdin() -> bytes | None:
 
 
 def write_output(stream: Stream, chunk: bytes) -> None:
+    """The command's own output, byte-exact (escaped it would no longer be what it printed)."""
     target = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
     target.write(chunk)
     target.flush()
@@ -125,12 +128,12 @@ async def exec_in_fresh_sandbox(
         except SandboxFileNotFoundError as exc:
             if not names_the_program(exc, argv, args.cwd, rt.workdir):
                 raise
-            print(f"vf-sandbox: {argv[0]}: program not found", file=sys.stderr)
+            say(f"vf-sandbox: {argv[0]}: program not found", stderr=True)
             return EXIT_NOT_FOUND
         except SandboxPermissionError as exc:
             if not names_the_program(exc, argv, args.cwd, rt.workdir):
                 raise
-            print(f"vf-sandbox: {argv[0]}: permission denied (not executable)", file=sys.stderr)
+            say(f"vf-sandbox: {argv[0]}: permission denied (not executable)", stderr=True)
             return EXIT_NOT_EXECUTABLE
     return result.exit_code
 
@@ -146,8 +149,8 @@ def run_exec(config: RuntimeConfig, args: argparse.Namespace) -> int:
     try:
         return anyio.run(run_interruptible, lambda: exec_in_fresh_sandbox(config, args, stdin))
     except ExecTimeoutError as exc:
-        print(f"vf-sandbox: {exc}", file=sys.stderr)
+        say(f"vf-sandbox: {exc}", stderr=True)
         return EXIT_TIMEOUT
     except SandboxResourceError as exc:  # its output was streamed already; exit like the kill
-        print(f"vf-sandbox: {exc}", file=sys.stderr)
+        say(f"vf-sandbox: {exc}", stderr=True)
         return exc.exit_code

@@ -20,6 +20,8 @@ import anyio
 from runtimes import RuntimeConfig, SandboxError
 from runtimes.keep import shell_argv_for
 
+from .cli_output import TerminalSafeFormatter, say
+
 EXIT_NO_SHELL = 1
 
 SHELL_DESCRIPTION = (
@@ -59,14 +61,14 @@ def cmd_shell(args: argparse.Namespace) -> int:
     try:
         argv = anyio.run(lambda: shell_argv_for(args.sandbox, targets, tty=tty))
     except SandboxError as exc:
-        print(f"vf-sandbox: shell: {type(exc).__name__}: {exc}", file=sys.stderr)
+        say(f"vf-sandbox: shell: {type(exc).__name__}: {exc}", stderr=True)
         return EXIT_NO_SHELL
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:
-        print(f"vf-sandbox: shell: cannot run {argv[0]}: {exc.strerror}", file=sys.stderr)
+        say(f"vf-sandbox: shell: cannot run {argv[0]}: {exc.strerror}", stderr=True)
     return EXIT_NO_SHELL
 
 
@@ -81,7 +83,7 @@ def kept_notices() -> Iterator[None]:
     ``vf-sandbox: kept ...``, whatever logging is configured."""
     logger = logging.getLogger("runtimes.keep")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("vf-sandbox: %(message)s"))
+    handler.setFormatter(TerminalSafeFormatter("vf-sandbox: %(message)s"))
     handler.setLevel(logging.WARNING)
     saved = logger.propagate, logger.level
     logger.addHandler(handler)

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Self
 
+from harnesses.errors import HarnessConfigError, HarnessInstallError, ModelConfigError, ModelError
+from runtimes import SandboxError
+
 if TYPE_CHECKING:
     from harnesses.base import Trace
 
@@ -25,6 +28,12 @@ class PlacementConfigError(PlacementError, ValueError):
 
 class InputTamperError(PlacementError):
     """The judge input directory was not fresh: a planted file, directory or symlink."""
+
+
+class RecordInvalid(PlacementError, ValueError):
+    """The rollout's record (its task or trace) is malformed: it cannot be serialised, or a
+    recorded message is not a chat message. Found when the judges' input snapshot is taken,
+    before any judge runs (:func:`placement.transcript.validate_record`)."""
 
 
 class JudgeError(PlacementError):
@@ -76,6 +85,11 @@ class JudgeAgentFailed(JudgeError):
     harness raised instead of recording the failure on its trace)."""
 
 
+class JudgeRecordInvalid(JudgeError):
+    """The rollout's record the judge was to read is malformed (:class:`RecordInvalid`,
+    chained): no judge of the rollout ran."""
+
+
 class JudgeCancelled(JudgeError):
     """The judge was stopped before it finished: its caller was cancelled, or it never
     started because judging failed before any judge ran."""
@@ -100,3 +114,25 @@ class JudgingFailed(ExceptionGroup[JudgeError]):
 
     def derive(self, excs: Sequence[JudgeError]) -> JudgingFailed:  # type: ignore[override]
         return JudgingFailed(self.message, excs, self.runs)
+
+
+def as_judge_error(judge: str, exc: BaseException) -> JudgeError:
+    """The typed :class:`~placement.errors.JudgeError` for what ended judge ``judge``
+    (``exc`` itself when it is one already; the caller chains ``exc``)."""
+    if isinstance(exc, JudgeError):
+        return exc
+    if isinstance(exc, InputTamperError):
+        return JudgeInputsTampered(judge, str(exc))
+    if isinstance(exc, RecordInvalid):
+        return JudgeRecordInvalid(judge, f"not run: {exc}")
+    if isinstance(exc, ModelConfigError):
+        return JudgeModelUnresolved(judge, f"its model cannot be called: {exc}")
+    if isinstance(exc, HarnessInstallError):
+        return JudgeSetupFailed(judge, f"installing its harness failed: {exc}")
+    if isinstance(exc, HarnessConfigError | PlacementConfigError):
+        return JudgeSetupFailed(judge, f"its harness cannot be set up: {exc}")
+    if isinstance(exc, ModelError):
+        return JudgeModelFailed(judge, f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, SandboxError):
+        return JudgeSandboxLost(judge, f"sandbox failed: {exc}")
+    return JudgeAgentFailed(judge, f"{type(exc).__name__}: {exc}")

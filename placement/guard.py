@@ -21,9 +21,10 @@ A :class:`VerdictGuard` watches ``<inputs dir>/verdict.json`` of one file-verdic
   itself made is :class:`~placement.errors.VerdictInvalid` (a dangling symlink:
   :class:`~placement.errors.VerdictMissing`).
 
-The checks run as shell commands in the sandbox (``sh``, ``stat``, ``head``): with an
-unprivileged policy those binaries are the image's; a root policy could have replaced
-them, which no in-sandbox check can rule out.
+The checks are :meth:`~runtimes.base.Runtime.lstat` calls, which the channel agent serves
+from its own process (started before the policy ran, from an interpreter the host verified):
+no program of the sandbox — ``sh``, ``stat``, ``head``, which a root policy may have
+replaced — answers for the verdict. Without a channel they fall back to those programs.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from harnesses.base import ToolResult, Trace
 from runtimes import (
     OutputLimitExceededError,
     Runtime,
+    SandboxError,
     SandboxFileNotFoundError,
+    SandboxInvalidArgumentError,
     SandboxIsADirectoryError,
     SandboxPermissionError,
 )
@@ -47,21 +50,6 @@ __all__ = ["VERDICT_NAMES", "VerdictGuard", "VerdictState"]
 
 # Words by which a judge's command names its verdict.
 VERDICT_NAMES = ("VF_AGENT_VERDICT", "VF_AGENT_INPUTS", VERDICT_FILE)
-
-_PROBE = r"""
-f=$1 max=$2; d=${f%/*}
-if [ -L "$d" ] || [ ! -d "$d" ]; then echo "replaced - - - -"; exit 0; fi
-owner=$(stat -c %u "$d") || exit 5
-if [ -L "$f" ]; then
-  if [ -e "$f" ]; then echo "symlink $owner - - -"; else echo "dangling $owner - - -"; fi
-  readlink "$f" | head -c 4096; exit 0
-fi
-if [ ! -e "$f" ]; then echo "absent $owner - - -"; exit 0; fi
-if [ -d "$f" ]; then echo "directory $owner - - -"; exit 0; fi
-if [ ! -f "$f" ]; then echo "special $owner - - -"; exit 0; fi
-stat -c "file $owner %h %u %s" "$f" || exit 5
-head -c "$((max + 1))" "$f"
-"""
 
 
 @dataclass(frozen=True)
@@ -87,8 +75,19 @@ class VerdictState:
 class VerdictGuard:
     """Sweeps, attributes and checks one judge's ``verdict.json``. See the module doc."""
 
-    def __init__(self, runtime: Runtime, inputs_dir: str, judge: str, max_bytes: int):
+    def __init__(
+        self,
+        runtime: Runtime,
+        inputs_dir: str,
+        judge: str,
+        max_bytes: int,
+        *,
+        writer: int | None = None,
+    ):
+        """``writer``: the uid the judge's verdict must belong to (the judges' own account);
+        ``None``: the owner of the inputs dir (the judge runs as the machinery's user)."""
         self.runtime = runtime
+        self._writer = None if writer is None else str(writer)
         self.inputs_dir = inputs_dir
         self.path = f"{inputs_dir}/{VERDICT_FILE}"
         self.judge = judge
@@ -114,6 +113,7 @@ class VerdictGuard:
         if state.kind != "absent":
             raise JudgeInputsTampered(self.judge, f"{self.path} is {state.describe()} already")
         self._owner = state.dir_owner
+        self._writer = self._writer or state.dir_owner
         self._state = state
 
     def names_verdict(self, command: str) -> bool:
@@ -208,10 +208,10 @@ class VerdictGuard:
             raise VerdictInvalid(
                 self.judge, f"{self.path} is not a readable regular file: {state.kind}", trace
             )
-        if state.owner != self._owner:
+        if state.owner != self._writer:
             raise JudgeInputsTampered(
                 self.judge,
-                f"{self.path} is owned by uid {state.owner}, not the judge's uid {self._owner}",
+                f"{self.path} is owned by uid {state.owner}, not the judge's uid {self._writer}",
                 trace,
             )
         if state.links != "1":
@@ -225,18 +225,42 @@ class VerdictGuard:
         return state.content
 
     async def _probe(self) -> VerdictState:
-        done = await self.runtime.exec(
-            ["sh", "-c", _PROBE, "sh", self.path, str(self.max_bytes)],
-            timeout=60,
-            output_limit=self.max_bytes + 8192,
+        """What the verdict is now, from ``lstat`` of the inputs dir and of the verdict
+        (served by the channel agent where there is one: no ``sh``, ``stat`` or ``head``
+        of the sandbox answers for it, so a root policy that replaced them cannot)."""
+        try:
+            folder = await self.runtime.lstat(self.inputs_dir)
+            if folder.kind != "directory":
+                return VerdictState("replaced", "-", "-", "-", "-", _EMPTY, b"")
+            info = await self.runtime.lstat(self.path, content_limit=self.max_bytes)
+        except (SandboxPermissionError, SandboxInvalidArgumentError) as exc:
+            raise _ProbeFailed(f"cannot inspect {self.path}: {exc}") from None
+        owner = str(folder.uid)
+        kind = {"other": "special"}.get(info.kind, info.kind)
+        if kind == "symlink":
+            if not await self._resolves():
+                kind = "dangling"
+            target = info.target.encode("utf-8", "surrogateescape")[:4096]
+            return VerdictState(kind, owner, "-", "-", "-", _EMPTY, target)
+        if kind != "file":
+            return VerdictState(kind, owner, "-", "-", "-", _EMPTY, b"")
+        digest = hashlib.sha256(info.content).hexdigest()
+        return VerdictState(
+            "file", owner, str(info.links), str(info.uid), str(info.size), digest, info.content
         )
-        header, _, content = done.stdout_bytes.partition(b"\n")
-        fields = header.decode("utf-8", "replace").split()
-        if done.exit_code != 0 or len(fields) != 5:
-            raise _ProbeFailed(f"cannot inspect {self.path}: {done.stderr.strip()!r}")
-        kind, dir_owner, links, owner, size = fields
-        digest = hashlib.sha256(content).hexdigest()
-        return VerdictState(kind, dir_owner, links, owner, size, digest, content)
+
+    async def _resolves(self) -> bool:
+        """Whether the verdict's symlink leads to something (nothing of it is read)."""
+        try:
+            await self.runtime.read(self.path, max_bytes=0)
+        except SandboxFileNotFoundError:
+            return False
+        except (SandboxError, OSError):
+            return True
+        return True
+
+
+_EMPTY = hashlib.sha256(b"").hexdigest()
 
 
 class _ProbeFailed(Exception):

@@ -1,7 +1,9 @@
 """Judge inputs: one snapshot of the rollout, materialised under ``/tmp/vf-agent/<id>/``.
 
 The snapshot (task, trace) is taken once, before any judge runs, as exact bytes: every
-judge reads the same ``task.json``, ``trace.json`` and ``transcript.md``. The input
+judge reads the same ``task.json``, ``trace.json`` and ``transcript.md`` (rendered by
+:mod:`placement.transcript`, which no recorded content can escape). A malformed record is
+refused when the snapshot is taken (:class:`~placement.errors.RecordInvalid`). The input
 directory never lives in the rollout's workdir (the world being judged). Its ``<id>`` is
 generated and validated, and the directory must be fresh: a planted file, directory or
 symlink — at ``/tmp/vf-agent`` itself or at ``<id>`` — is refused, and so is a
@@ -10,6 +12,7 @@ symlink — at ``/tmp/vf-agent`` itself or at ``<id>`` — is refused, and so is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
@@ -17,42 +20,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from harnesses.base import Trace
-from runtimes import Runtime
+from runtimes import Runtime, SandboxError, SandboxFileExistsError
 
-from .errors import InputTamperError, PlacementConfigError
+from .errors import InputTamperError, PlacementConfigError, RecordInvalid
+from .transcript import JUDGING_FIELDS, render_transcript, scrub, validate_record
 
 INPUTS_ROOT = "/tmp/vf-agent"
 INPUT_FILES = ("task.json", "transcript.md", "trace.json")
+
+__all__ = [
+    "INPUTS_ROOT",
+    "INPUT_FILES",
+    "VERDICT_FILE",
+    "Snapshot",
+    "materialise",
+    "new_agent_id",
+    "render_transcript",
+    "validate_agent_id",
+]
 VERDICT_FILE = "verdict.json"
 
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{2,62}[a-z0-9]$")
-
-_PREPARE = r"""
-set -u
-root="$1"; dir="$1/$2"
-if [ -L "$root" ]; then echo "symlink planted at $root" >&2; exit 3; fi
-if [ -e "$root" ] && [ ! -d "$root" ]; then echo "not a directory: $root" >&2; exit 3; fi
-if [ -d "$root" ]; then
-  owner=$(stat -c %u "$root") || exit 4
-  if [ "$owner" != 0 ] && [ "$owner" != "$(id -u)" ]; then
-    echo "$root belongs to uid $owner, not to root or the judge's user" >&2; exit 3
-  fi
-fi
-mkdir -p "$root" || exit 4
-chmod 1777 "$root" 2>/dev/null
-if [ -e "$dir" ] || [ -L "$dir" ]; then echo "already exists: $dir" >&2; exit 3; fi
-mkdir -m 0700 "$dir" || exit 4
-"""
-
-_VERIFY = r"""
-dir="$1"; shift
-for f in "$dir"/* "$dir"/.[!.]* "$dir"/..?*; do
-  [ -e "$f" ] || [ -L "$f" ] || continue
-  name=${f##*/}; ok=0
-  for want in "$@"; do [ "$name" = "$want" ] && ok=1; done
-  if [ "$ok" -eq 0 ] || [ -L "$f" ] || [ ! -f "$f" ]; then echo "unexpected: $f" >&2; exit 3; fi
-done
-"""
 
 
 def new_agent_id(name: str) -> str:
@@ -68,10 +56,6 @@ def validate_agent_id(agent_id: str) -> str:
     return agent_id
 
 
-_JUDGING_FIELDS = {"agents", "extra_usage", "total_usage"}
-"""Trace fields that record judging (:meth:`~harnesses.base.Trace.attach_agents`)."""
-
-
 @dataclass(frozen=True)
 class Snapshot:
     """The rollout as every judge sees it: exact bytes, taken once."""
@@ -83,13 +67,27 @@ class Snapshot:
 
     @classmethod
     def take(cls, task: dict[str, Any], trace: Trace) -> Snapshot:
-        task_json = json.dumps(task, indent=2, ensure_ascii=False, sort_keys=True).encode()
+        """The snapshot of ``task`` and ``trace``, validated at the judging boundary
+        (:func:`~placement.transcript.validate_record`).
+
+        Raises:
+            RecordInvalid: ``task`` is not a JSON object, or ``trace`` is malformed.
+        """
+        if not isinstance(task, dict):
+            raise RecordInvalid(f"the rollout's task is a {type(task).__name__}, not an object")
+        try:
+            task_text = json.dumps(scrub(task), indent=2, ensure_ascii=False, sort_keys=True)
+            task_copy = json.loads(task_text)
+        except (TypeError, ValueError, RecursionError) as exc:
+            name = type(exc).__name__
+            raise RecordInvalid(f"the rollout's task is not JSON ({name})") from None
+        # The policy's run only: the runs of earlier judges (trace.agents) stay out.
+        record = validate_record(trace)
         return cls(
-            task=json.loads(task_json),
-            task_json=task_json,
-            # The policy's run only: the runs of earlier judges (trace.agents) stay out.
-            trace_json=trace.model_dump_json(indent=2, exclude=_JUDGING_FIELDS).encode(),
-            transcript_md=render_transcript(task, trace).encode(),
+            task=task_copy,
+            task_json=task_text.encode(),
+            trace_json=record.trace.model_dump_json(indent=2, exclude=JUDGING_FIELDS).encode(),
+            transcript_md=render_transcript(task_copy, record).encode(),
         )
 
     def files(self) -> dict[str, bytes]:
@@ -100,69 +98,56 @@ class Snapshot:
         }
 
 
-def render_transcript(task: dict[str, Any], trace: Trace) -> str:
-    """A readable Markdown rendering of the policy's run."""
-    lines = [f"# Transcript ({trace.harness}, model {trace.model or 'unknown'})", ""]
-    prompt = task.get("prompt")
-    if isinstance(prompt, str):
-        lines += ["## Task", "", prompt, ""]
-    shown: int = 0
-    for turn in trace.turns:
-        for message in turn.request_messages[shown:]:
-            lines += _render_message(message)
-        shown = len(turn.request_messages)
-        if turn.reply is not None:
-            lines += _render_message(turn.reply.assistant_message())
-        for result in turn.tool_results:
-            lines += [
-                f"### tool result `{result.name}` (exit {result.exit_code})",
-                "",
-                "```",
-                result.output,
-                "```",
-                "",
-            ]
-        if turn.reply is not None:
-            shown += 1 + len(turn.tool_results)
-    if trace.output is not None:
-        lines += ["## Final output", "", trace.output, ""]
-    if trace.error is not None:
-        lines += ["## Error", "", f"{trace.error.kind}: {trace.error.message}", ""]
-    return "\n".join(lines)
-
-
-def _render_message(message: dict[str, Any]) -> list[str]:
-    role = str(message.get("role", "?"))
-    if role == "tool":
-        return []  # rendered from the tool results, with exit codes
-    out = [f"## {role}", ""]
-    content = message.get("content")
-    if isinstance(content, str) and content:
-        out += [content, ""]
-    for call in message.get("tool_calls") or []:
-        function = call.get("function", {}) if isinstance(call, dict) else {}
-        out += [f"**tool call** `{function.get('name')}`: `{function.get('arguments')}`", ""]
-    return out
-
-
-async def materialise(runtime: Runtime, agent_id: str, snapshot: Snapshot) -> str:
+async def materialise(
+    runtime: Runtime, agent_id: str, snapshot: Snapshot, *, judge_gid: int | None = None
+) -> str:
     """Write the snapshot to a fresh ``/tmp/vf-agent/<agent_id>/``; return that directory.
 
+    Every step is a file operation of the runtime (:meth:`~runtimes.base.Runtime.lstat`,
+    ``mkdir``, ``write``), served by the channel agent where there is one: no program of
+    the sandbox (``sh``, ``mkdir``, ``stat``), which a root policy may have replaced, takes
+    part. ``judge_gid``: the group of the judge's own account; the directory is then
+    ``root:<judge group>`` with mode ``1770`` (the judge may add its verdict, never change
+    or remove the inputs), else ``0700`` for the sandbox's default user.
+
     Raises:
-        InputTamperError: ``/tmp/vf-agent`` is a symlink or not a directory, ``<id>``
-            already exists, or anything but the three input files is found after writing.
+        InputTamperError: ``/tmp/vf-agent`` is a symlink, not a directory or another
+            user's, ``<id>`` already exists, or an input file is not what was written.
         SandboxError: the sandbox failed (typed, from runtimes).
     """
     validate_agent_id(agent_id)
     directory = f"{INPUTS_ROOT}/{agent_id}"
-    prepared = await runtime.exec(["sh", "-c", _PREPARE, "sh", INPUTS_ROOT, agent_id], timeout=60)
-    if prepared.exit_code == 3:
-        raise InputTamperError(f"refusing judge inputs at {directory}: {prepared.stderr.strip()}")
-    if prepared.exit_code != 0:
-        raise InputTamperError(f"cannot create {directory}: {prepared.stderr.strip()}")
+    root = await runtime.lstat(INPUTS_ROOT)
+    if root.kind == "absent":
+        with contextlib.suppress(SandboxFileExistsError):  # made meanwhile: checked below
+            await runtime.mkdir(INPUTS_ROOT, mode=0o1777)
+        root = await runtime.lstat(INPUTS_ROOT)
+    if root.kind != "directory":
+        raise InputTamperError(
+            f"refusing judge inputs at {directory}: {INPUTS_ROOT} is a {root.kind}"
+        )
+    try:
+        if judge_gid is None:
+            await runtime.mkdir(directory, mode=0o700)
+        else:
+            await runtime.mkdir(directory, mode=0o1770, gid=judge_gid)
+    except SandboxFileExistsError:
+        raise InputTamperError(f"refusing judge inputs at {directory}: already exists") from None
+    except SandboxError as exc:
+        raise InputTamperError(f"cannot create {directory}: {exc}") from exc
+    mine = (await runtime.lstat(directory)).uid
+    if root.uid not in (0, mine):
+        raise InputTamperError(
+            f"refusing judge inputs at {directory}: {INPUTS_ROOT} belongs to uid {root.uid}, "
+            "not to root or the judge machinery's user"
+        )
     for name, data in snapshot.files().items():
         await runtime.write(f"{directory}/{name}", data)
-    verified = await runtime.exec(["sh", "-c", _VERIFY, "sh", directory, *INPUT_FILES], timeout=60)
-    if verified.exit_code != 0:
-        raise InputTamperError(f"judge inputs at {directory} were tampered with: {verified.stderr}")
+    for name, data in snapshot.files().items():
+        info = await runtime.lstat(f"{directory}/{name}")
+        if info.kind != "file" or info.links != 1 or info.uid != mine or info.size != len(data):
+            raise InputTamperError(
+                f"judge inputs at {directory} were tampered with: {name} is a {info.kind} "
+                f"({info.links} links, uid {info.uid}, {info.size} bytes)"
+            )
     return directory

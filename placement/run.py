@@ -17,61 +17,66 @@ be a regular file last changed by a command of the judge's that names it.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import json
 import logging
 import math
-import string
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, TypeAlias
 
 import anyio
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
+from pydantic import ConfigDict, PrivateAttr
 
-from harnesses.base import AgentRecord, AgentRole, Harness, HarnessConfig, Trace, for_policy
+from harnesses.base import (
+    AgentRecord,
+    AgentRole,
+    Harness,
+    HarnessConfig,
+    Trace,
+    for_judge,
+    for_policy,
+)
 from harnesses.errors import (
-    HarnessConfigError,
     HarnessError,
-    HarnessInstallError,
     ModelConfigError,
-    ModelError,
 )
 from harnesses.llm import ModelEndpoint, ModelTable
-from harnesses.null import parse_reply_json
 from harnesses.registry import load_harness_class, open_harness, resolve_harness_config
 from runtimes import (
     Runtime,
     RuntimeConfig,
     SandboxError,
-    open_runtime,
 )
 from runtimes.pool import RuntimePool, open_pooled
-from runtimes.snapshot import SandboxSnapshot, remove_snapshot
+from runtimes.snapshot import SandboxSnapshot
 
 from .errors import (
-    InputTamperError,
-    JudgeAgentFailed,
     JudgeBudgetExceeded,
     JudgeCancelled,
     JudgeError,
     JudgeInputsTampered,
-    JudgeModelFailed,
-    JudgeModelUnresolved,
-    JudgeSandboxLost,
-    JudgeSetupFailed,
     JudgesHookFailed,
     JudgingFailed,
     PlacementConfigError,
-    VerdictInvalid,
+    RecordInvalid,
+    as_judge_error,
 )
 from .guard import VerdictGuard
-from .inputs import INPUTS_ROOT, VERDICT_FILE, Snapshot, materialise, new_agent_id
-from .specs import AgentSpec, FieldTableVerdict, JudgeSpec
+from .inputs import INPUTS_ROOT, Snapshot, materialise, new_agent_id
+from .judge_sandbox import (
+    InputsCleanup,
+    command_user,
+    drop_fork,
+    judge_account,
+    open_fork,
+    take_fork,
+    with_input_env,
+)
+from .prompts import render_prompt
+from .specs import AgentSpec, JudgeSpec
+from .verdicts import collect_verdict
 
 log = logging.getLogger("placement.run")
 
@@ -102,35 +107,6 @@ def _placement_label(spec: AgentSpec) -> str:
         return "fork"
     config = spec.runtime_config()
     return "rollout" if config is None else f"clean-room:{config.type}"
-
-
-def render_prompt(spec: JudgeSpec, snapshot: Snapshot, inputs_dir: str | None) -> str:
-    """The judge's prompt with its inputs and the verdict instructions filled in."""
-    schema = json.dumps(spec.verdict_schema.model_json_schema(), indent=2)
-    verdict_path = f"{inputs_dir}/{VERDICT_FILE}" if inputs_dir else ""
-    values = {
-        "inputs_dir": inputs_dir or "",
-        "verdict_path": verdict_path,
-        "schema": schema,
-        "task": snapshot.task_json.decode(),
-        "transcript": snapshot.transcript_md.decode(),
-    }
-    body = string.Template(spec.prompt).substitute(values) if spec.template else spec.prompt
-    if spec.verdict_source() == "file":
-        return (
-            f"{body}\n\nYour inputs are in {inputs_dir}/: task.json (the task), transcript.md "
-            f"(the policy's run, readable) and trace.json (the same, as data). The policy's "
-            f"work is in the current directory. When you have decided, write your verdict as "
-            f"JSON to {verdict_path} (also $VF_AGENT_VERDICT in your commands), matching this "
-            f"JSON schema:\n{schema}\nWrite it with a command that names it, after running "
-            f"any program you judge: a change to it made by a command that does not name it "
-            f"is refused as tampering. Nothing you start outlives its command."
-        )
-    return (
-        f"{body}\n\n## Task\n{values['task']}\n\n## Transcript\n{values['transcript']}\n\n"
-        f"Reply with only your verdict as JSON (bare, or one ```json block), matching this "
-        f"JSON schema:\n{schema}"
-    )
 
 
 async def run_agent(
@@ -192,11 +168,6 @@ async def run_agent(
         spec, task, run, plan, runtime=runtime, snapshot=snapshot, role=role, pools=pools
     )
     return run
-
-
-CLEANUP_SECONDS = 30.0
-"""How long the shielded cleanup of a cancelled or failed judge (stopping its processes,
-removing its inputs dir) may take before it is abandoned."""
 
 
 @dataclass(frozen=True)
@@ -288,25 +259,49 @@ async def _execute(
             if plan.needs_runtime and plan.clean_room is not None:
                 target = await stack.enter_async_context(open_pooled(plan.clean_room, pools))
             if plan.needs_runtime and plan.fork:
-                target = await stack.enter_async_context(_open_fork(runtime, fork))
+                target = await stack.enter_async_context(open_fork(runtime, fork))
             in_rollout = target is not None and not plan.own_sandbox
             inputs_dir = None
             if judge is not None and target is not None and in_rollout:
                 await target.stop_processes()  # nothing the policy or a judge left is alive
+            if judge is not None and runtime is not None and (in_rollout or plan.fork):
+                reason = await runtime.system_tampered()
+                if reason is not None:
+                    raise JudgeInputsTampered(
+                        spec.name,
+                        f"the rollout's sandbox cannot host a judge: {reason}; place the "
+                        "judge in a clean-room sandbox, or give the policy an account",
+                    )
+            judge_ids = None
+            if judge is not None and target is not None:
+                judge_ids = await judge_account(target)
             if target is not None and snapshot is not None:
                 # registered before the directory exists: a cancellation while it is being
                 # made still removes it
-                cleanup = _InputsCleanup(target, f"{INPUTS_ROOT}/{run.agent_id}", in_rollout)
+                cleanup = InputsCleanup(target, f"{INPUTS_ROOT}/{run.agent_id}", in_rollout)
                 stack.push_async_exit(cleanup)
-                inputs_dir = await materialise(target, run.agent_id, snapshot)
-            harness = open_harness(_with_input_env(plan.harness, inputs_dir))
+                gid = None if judge_ids is None else judge_ids[1]
+                inputs_dir = await materialise(target, run.agent_id, snapshot, judge_gid=gid)
+            harness = open_harness(with_input_env(plan.harness, inputs_dir))
             if role == "policy" and target is not None:
                 harness = for_policy(harness, target)
+            if judge is not None and target is not None:
+                harness = for_judge(harness, target)
             guard = None
             if judge is not None and target is not None and inputs_dir is not None:
-                guard = VerdictGuard(target, inputs_dir, spec.name, judge.verdict_max_bytes)
+                guard = VerdictGuard(
+                    target,
+                    inputs_dir,
+                    spec.name,
+                    judge.verdict_max_bytes,
+                    writer=None if judge_ids is None else judge_ids[0],
+                )
                 await guard.start()
                 harness.add_command_hook(guard.after_command)
+                if judge_ids is not None:
+                    harness.set_command_user(
+                        command_user(guard, target.judge_user, target.policy_user)
+                    )
             if target is not None:
                 await harness.setup(target)
             prompt: str | Sequence[dict[str, Any]] = task
@@ -317,7 +312,7 @@ async def _execute(
                 prompt, runtime=target, model=plan.endpoint, budget=spec.budget
             )
             if judge is not None:
-                run.verdict = await _collect_verdict(judge, run.trace, guard)
+                run.verdict = await collect_verdict(judge, run.trace, guard)
     except anyio.get_cancelled_exc_class():
         if judge is not None:
             _record_failure(run, JudgeCancelled(spec.name, "cancelled before it finished"), harness)
@@ -335,99 +330,6 @@ async def _execute(
         run.finished = time.time()
 
 
-def _open_fork(runtime: Runtime | None, fork: SandboxSnapshot | None) -> Runtime:
-    """A sandbox of the rollout's config started from ``fork`` (not yet started)."""
-    if runtime is None or fork is None:
-        raise PlacementConfigError("a fork-placed agent needs the rollout's runtime and snapshot")
-    return open_runtime(runtime.config, snapshot=fork)
-
-
-async def _take_fork(runtime: Runtime) -> SandboxSnapshot:
-    """The one snapshot every fork-placed judge of a rollout starts from: the rollout's files
-    as the policy left them, before any judge ran (processes are never part of it)."""
-    return await runtime.snapshot()
-
-
-async def _drop_fork(fork: SandboxSnapshot) -> None:
-    try:
-        await remove_snapshot(fork)
-    except SandboxError as exc:
-        log.warning(
-            "removing %s failed (%s); `vf-sandbox cleanup` removes it once this process ends",
-            fork.describe(),
-            exc,
-        )
-
-
-def as_judge_error(judge: str, exc: BaseException) -> JudgeError:
-    """The typed :class:`~placement.errors.JudgeError` for what ended judge ``judge``
-    (``exc`` itself when it is one already; the caller chains ``exc``)."""
-    if isinstance(exc, JudgeError):
-        return exc
-    if isinstance(exc, InputTamperError):
-        return JudgeInputsTampered(judge, str(exc))
-    if isinstance(exc, ModelConfigError):
-        return JudgeModelUnresolved(judge, f"its model cannot be called: {exc}")
-    if isinstance(exc, HarnessInstallError):
-        return JudgeSetupFailed(judge, f"installing its harness failed: {exc}")
-    if isinstance(exc, HarnessConfigError | PlacementConfigError):
-        return JudgeSetupFailed(judge, f"its harness cannot be set up: {exc}")
-    if isinstance(exc, ModelError):
-        return JudgeModelFailed(judge, f"{type(exc).__name__}: {exc}")
-    if isinstance(exc, SandboxError):
-        return JudgeSandboxLost(judge, f"sandbox failed: {exc}")
-    return JudgeAgentFailed(judge, f"{type(exc).__name__}: {exc}")
-
-
-INPUTS_ENV = "VF_AGENT_INPUTS"
-VERDICT_ENV = "VF_AGENT_VERDICT"
-
-
-def _with_input_env(config: HarnessConfig, inputs_dir: str | None) -> HarnessConfig:
-    """Tell a tools harness where its inputs are: as shell variables its commands have
-    but the programs they run do not inherit (``shell_vars``, the ``bash`` harness), or
-    else through its commands' environment (``env``, installed agents)."""
-    fields = type(config).model_fields
-    if inputs_dir is None:
-        return config
-    values = {INPUTS_ENV: inputs_dir, VERDICT_ENV: f"{inputs_dir}/{VERDICT_FILE}"}
-    for field in ("shell_vars", "env"):
-        if field in fields:
-            merged = {**(getattr(config, field, {}) or {}), **values}
-            return config.model_copy(update={field: merged})
-    return config
-
-
-@dataclass(frozen=True)
-class _InputsCleanup:
-    """Exit callback of one agent's inputs dir: removes it, and when the agent ended by an
-    exception (a failure or a cancellation) in a rollout's sandbox, first stops what it
-    left running. Shielded from cancellation and bounded by :data:`CLEANUP_SECONDS`."""
-
-    runtime: Runtime
-    inputs_dir: str
-    sweep: bool
-
-    async def __call__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> bool:
-        with anyio.move_on_after(CLEANUP_SECONDS, shield=True):
-            if self.sweep and exc is not None and not self.runtime.closed:
-                with contextlib.suppress(SandboxError):  # lost: the caller reports it
-                    await self.runtime.stop_processes()
-            await _remove_inputs(self.runtime, self.inputs_dir)
-        return False
-
-
-async def _remove_inputs(runtime: Runtime, inputs_dir: str) -> None:
-    if not runtime.closed:
-        with contextlib.suppress(SandboxError):  # the sandbox is gone; nothing to remove
-            await runtime.remove(inputs_dir, missing_ok=True)
-
-
 def _record_failure(run: AgentRun, exc: JudgeError, harness: Harness | None) -> None:
     """Put ``exc`` on ``run`` (and ``run`` on ``exc``); a run that ended before its harness
     returned keeps the trace its harness recorded so far."""
@@ -442,88 +344,6 @@ def _record_failure(run: AgentRun, exc: JudgeError, harness: Harness | None) -> 
     run._exception = exc
     if run.trace is not None:
         run.trace.metadata["failure"] = {"type": type(exc).__name__, "message": str(exc)}
-
-
-async def _collect_verdict(
-    spec: JudgeSpec, trace: Trace, guard: VerdictGuard | None
-) -> dict[str, Any]:
-    if trace.error is not None:
-        kind, message = trace.error.kind, trace.error.message
-        if kind.startswith("budget_"):
-            raise JudgeBudgetExceeded(spec.name, message, trace)
-        if kind == "sandbox_error":
-            raise JudgeSandboxLost(spec.name, message, trace)
-        if kind == "install_error":
-            raise JudgeSetupFailed(spec.name, message, trace)
-        if kind == "agent_error":
-            raise JudgeAgentFailed(spec.name, message, trace)
-        raise JudgeModelFailed(spec.name, f"{kind}: {message}", trace)
-    if spec.verdict_source() == "reply":
-        size = len((trace.output or "").encode("utf-8", "surrogateescape"))
-        if size > spec.verdict_max_bytes:
-            raise VerdictInvalid(
-                spec.name, f"the reply is larger than {spec.verdict_max_bytes} bytes", trace
-            )
-        try:
-            data = parse_reply_json(trace.output)
-        except ValueError as exc:
-            raise VerdictInvalid(spec.name, str(exc), trace) from exc
-        return _validate(spec, data, trace)
-    assert guard is not None
-    raw = await guard.collect(trace)
-    path = guard.path
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise VerdictInvalid(spec.name, f"{path} is not JSON: {exc}", trace) from exc
-    except RecursionError:
-        raise VerdictInvalid(spec.name, f"{path} is nested too deeply to parse", trace) from None
-    return _validate(spec, data, trace)
-
-
-def _validate(spec: JudgeSpec, data: Any, trace: Trace) -> dict[str, Any]:
-    """The verdict validated in pydantic's strict JSON mode (no coercion: ``"yes"`` and
-    ``1`` are not booleans), with no NaN or Infinity outside the fields that allow them."""
-    schema = spec.verdict_schema
-    non_finite = [p for p in _non_finite_paths(data) if not _allows_non_finite(schema, p)]
-    if non_finite:
-        where = ", ".join(".".join(str(k) for k in p) or "(verdict)" for p in non_finite[:5])
-        message = f"verdict has NaN or Infinity where the schema does not allow it: {where}"
-        raise VerdictInvalid(spec.name, message, trace)
-    try:
-        text = json.dumps(data)
-        return schema.model_validate_json(text, strict=True).model_dump(mode="json")
-    except RecursionError:
-        raise VerdictInvalid(spec.name, "the verdict is nested too deeply", trace) from None
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(verdict)'}: {e['msg']}" for e in exc.errors()
-        )
-        message = f"verdict does not match the schema: {problems}"
-        raise VerdictInvalid(spec.name, message, trace) from None
-
-
-def _allows_non_finite(schema: type[BaseModel], path: tuple[str | int, ...]) -> bool:
-    """A field table allows NaN/Infinity in its ``allow_inf_nan`` number fields; any other
-    pydantic model only when its config sets ``allow_inf_nan=True`` explicitly."""
-    if issubclass(schema, FieldTableVerdict):
-        return len(path) == 1 and path[0] in schema.non_finite_fields
-    return schema.model_config.get("allow_inf_nan") is True
-
-
-def _non_finite_paths(data: Any) -> list[tuple[str | int, ...]]:
-    """Where ``data`` (parsed JSON) holds NaN or +-Infinity (iteratively: no depth limit)."""
-    found: list[tuple[str | int, ...]] = []
-    stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, float) and not math.isfinite(value):
-            found.append(path)
-        elif isinstance(value, dict):
-            stack.extend(((*path, str(k)), v) for k, v in value.items())
-        elif isinstance(value, list):
-            stack.extend(((*path, i), v) for i, v in enumerate(value))
-    return sorted(found, key=str)
 
 
 JudgesHook: TypeAlias = Callable[
@@ -629,10 +449,10 @@ async def run_judges(
     failures: dict[int, JudgeError] = {}
     plans = _plan_judges(specs, runs, failures, models=models, runtime=runtime, policy=policy)
     try:
+        snapshot = None if failures else _snapshot(specs, runs, failures, task, trace)
         if failures:
             _not_started(specs, runs, failures)
-        else:
-            snapshot = Snapshot.take(task, trace)
+        elif snapshot is not None:
             await _judge_all(
                 specs, runs, plans, failures, runtime, snapshot,
                 deadline=deadline, on_done=on_done, pools=pools,
@@ -666,6 +486,26 @@ def _plan_judges(
             _record_failure(runs[index], error, None)
             failures[index] = error
     return plans
+
+
+def _snapshot(
+    specs: Sequence[JudgeSpec],
+    runs: Sequence[AgentRun],
+    failures: dict[int, JudgeError],
+    task: dict[str, Any],
+    trace: Trace,
+) -> Snapshot | None:
+    """The judges' input snapshot; a malformed record fails every judge with
+    :class:`~placement.errors.JudgeRecordInvalid` (in ``failures``, on each run)."""
+    try:
+        return Snapshot.take(task, trace)
+    except RecordInvalid as exc:
+        for index, spec in enumerate(specs):
+            error = as_judge_error(spec.name, exc)
+            error.__cause__ = exc
+            _record_failure(runs[index], error, None)
+            failures[index] = error
+        return None
 
 
 def _not_started(
@@ -727,7 +567,7 @@ async def _judge_all(
         try:
             if forked and runtime is not None:
                 try:
-                    fork = await _take_fork(runtime)  # before any judge touches the sandbox
+                    fork = await take_fork(runtime)  # before any judge touches the sandbox
                 except SandboxError as exc:
                     for index in forked:
                         fail(index, exc)
@@ -739,7 +579,7 @@ async def _judge_all(
         finally:
             if fork is not None:
                 with anyio.CancelScope(shield=True):
-                    await _drop_fork(fork)
+                    await drop_fork(fork)
     if scope.cancelled_caught:
         for index, run in enumerate(runs):
             if index not in settled:

@@ -21,6 +21,8 @@ or ``JudgeVerifier([])``) the rollout is not judged: its reward is ``unjudged_re
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +42,7 @@ RewardFn = Callable[[Sequence[AgentRun]], float]
 """Turns the judges' runs (verdicts validated) into one reward."""
 
 _REWARD_FIELDS = ("reward", "score")
+_LARGEST = sys.float_info.max
 
 
 def verdict_reward(runs: Sequence[AgentRun]) -> float:
@@ -47,7 +50,8 @@ def verdict_reward(runs: Sequence[AgentRun]) -> float:
     ``passed`` (a boolean, as 1.0 / 0.0).
 
     Raises:
-        SessionVerifyError: a verdict has none of those fields; pass your own ``reward``.
+        SessionVerifyError: a verdict has none of those fields (pass your own ``reward``),
+            or its reward is not a finite number (NaN, Infinity, an integer past a float).
     """
     values = [_verdict_value(run) for run in runs]
     if not values:
@@ -60,7 +64,12 @@ def _verdict_value(run: AgentRun) -> float:
     for name in _REWARD_FIELDS:
         value = verdict.get(name)
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            reward = float(value) if abs(value) <= _LARGEST else math.inf
+            if not math.isfinite(reward):
+                raise SessionVerifyError(
+                    f"judge {run.name!r}'s verdict has a {name!r} that is not a finite number"
+                )
+            return reward
     passed = verdict.get("passed")
     if isinstance(passed, bool):
         return 1.0 if passed else 0.0

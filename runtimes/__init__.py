@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .base import Runtime, live_runtimes
+from .channel.agent.wire import PathInfo
 from .config import RuntimeConfig, RuntimeConfigError
 from .errors import (
     ChannelTamperedError,
@@ -65,6 +66,7 @@ __all__ = [
     "ExecTimeoutError",
     "OutputLimitExceededError",
     "OutputSink",
+    "PathInfo",
     "PoolClosedError",
     "PoolTimeoutError",
     "ProvisioningError",

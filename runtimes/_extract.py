@@ -22,7 +22,10 @@ here relies on it or on ``realpath``:
   setuid/setgid/sticky, no group/other write; directories and symlinks get defaults);
   owners are never changed;
 * the member count and path depth are bounded, so a tar of millions of empty entries
-  is a typed error rather than an endless extraction.
+  is a typed error rather than an endless extraction; a name component over
+  ``NAME_MAX``, a symlink target over ``PATH_MAX`` and a NUL byte in either (a pax header
+  can carry one) are refused like the rest (never an ``ENAMETOOLONG`` or ``ValueError``
+  halfway through).
 
 Nothing outside the destination is created or changed; the destination's own parents
 are the host's choice and are created as needed.
@@ -51,6 +54,13 @@ MAX_MEMBERS = 250_000
 
 MAX_DEPTH = 128
 """Most path components one member's name may have."""
+
+NAME_MAX = 255
+"""Most bytes of one path component (Linux filesystems): a longer name is refused typed,
+never left to fail the extraction with ``ENAMETOOLONG``."""
+
+TARGET_MAX = 4095
+"""Most bytes of a symlink's target (``PATH_MAX`` less its NUL)."""
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -125,9 +135,13 @@ def _split(member: str, name: str) -> list[str]:
     """The components of a member's name; absolute names and ``..`` are refused."""
     if name.startswith("/"):
         raise UnsafeArchiveMemberError(member, "an absolute name")
+    if "\x00" in name:  # a pax header can carry one; no system call takes it
+        raise UnsafeArchiveMemberError(member, "a NUL byte in its name")
     parts = [part for part in name.split("/") if part not in ("", ".")]
     if ".." in parts:
         raise UnsafeArchiveMemberError(member, "a '..' component in its name")
+    if any(len(os.fsencode(part)) > NAME_MAX for part in parts):
+        raise UnsafeArchiveMemberError(member, f"a name component over {NAME_MAX} bytes")
     return parts
 
 
@@ -143,6 +157,10 @@ def _check_symlink(member: str, where: list[str], target: str) -> None:
         raise UnsafeArchiveMemberError(member, "a symlink with an empty target")
     if target.startswith("/"):
         raise UnsafeArchiveMemberError(member, f"a symlink to the absolute path {target!r}")
+    if "\x00" in target:
+        raise UnsafeArchiveMemberError(member, "a symlink target with a NUL byte")
+    if len(os.fsencode(target)) > TARGET_MAX:
+        raise UnsafeArchiveMemberError(member, f"a symlink target over {TARGET_MAX} bytes")
     parts = [part for part in target.split("/") if part not in ("", ".")]
     ups = 0
     while ups < len(parts) and parts[ups] == "..":

@@ -38,6 +38,7 @@ from . import snapshot as snapshots
 from ._local_files import shell_error, write_local_file
 from .arguments import PathLike, check_local_path, exec_request, resolve_sandbox_path, text_bytes
 from .channel import ChannelSupervisor
+from .channel.agent.wire import PathInfo
 from .config import RuntimeConfig
 from .errors import (
     ExecTimeoutError,
@@ -51,7 +52,7 @@ from .errors import (
 from .keep import Keeping, announce_kept
 from .lifecycle import State, live_runtimes
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo, Stream
-from .policy import PolicyAccount
+from .policy import DEFAULT_JUDGE_USER, JUDGE_UID, PolicyAccount
 from .primitives import Primitives
 from .routes import HostRoute, RouteKind, channel_route, choose_route
 from .shell.session import ShellSession, close_sessions
@@ -94,6 +95,7 @@ class Runtime(Primitives, Keeping):
         self._workdir: str | None = None
         self._mark = uuid.uuid4().hex
         self._policy_account = PolicyAccount()
+        self._judge_account = PolicyAccount()
         self._holds_slot = False
         self._orphans: set[int] = set()
         """Process groups whose kill could not be delivered (the sandbox was paused, the
@@ -271,6 +273,48 @@ class Runtime(Primitives, Keeping):
         """
         return None
 
+    @property
+    def judge_user(self) -> str | None:
+        """The account judges run their commands as (``vf-judge``), apart from both the
+        policy's account and the machinery's default user: what a judge runs — the
+        policy's programs included — can neither replace the sandbox's system files (as
+        root could) nor act as the policy. It exists where the policy has an account of its
+        own in a sandbox whose accounts are the runtime's to make (Docker and Modal unless
+        the root filesystem is read-only); ``None`` elsewhere (judges then run as the
+        default user, as before). Made on first use, handed no directory.
+        """
+        if self.policy_user is None or not self._makes_accounts():
+            return None
+        return DEFAULT_JUDGE_USER
+
+    def _makes_accounts(self) -> bool:
+        """Whether accounts (the judges') may be added to this sandbox's ``/etc/passwd``."""
+        return self._creates_policy_user
+
+    async def system_tampered(self) -> str | None:
+        """Why this sandbox's system can no longer be trusted to run a judge's commands —
+        code every program would load (``/etc/ld.so.preload``) or a shell the commands run
+        through, changed since the sandbox started from its image — or ``None``: nothing
+        seen, or a backend that cannot tell without running the sandbox's own programs
+        (only Docker reads the engine's diff). Judges placed in a rollout's sandbox (or a
+        fork of it) are refused when it says why.
+
+        Raises:
+            SandboxError: the sandbox failed.
+        """
+        return None
+
+    async def prepare_judge_user(self) -> str | None:
+        """Make the judges' account now (it is made on first use otherwise); return
+        :attr:`judge_user`.
+
+        Raises:
+            ProvisioningError: the account could not be made.
+        """
+        if self.judge_user is not None:
+            await self.exec(["true"], user=self.judge_user, timeout=60, cwd="/")
+        return self.judge_user
+
     async def prepare_policy_user(self) -> str | None:
         """Make the policy's account now (where it is made on first use) and hand it the
         workdir, as its first command would; return :attr:`policy_user`. Lets the host
@@ -362,6 +406,15 @@ class Runtime(Primitives, Keeping):
                 self.workdir,
                 create=self._creates_policy_user,
                 through=self._policy_passage(),
+            )
+        elif request.user is not None and request.user == self.judge_user:
+            await self._judge_account.ensure(
+                request.user,
+                self._run_as_machinery,
+                "/",
+                create=self._creates_policy_user,
+                through=self._policy_passage(),
+                uid=JUDGE_UID,
             )
         started = time.monotonic()
         sink = OutputSink(request.output_limit, on_output=on_output, keep=keep_output)
@@ -487,6 +540,42 @@ class Runtime(Primitives, Keeping):
         resolved = self.resolve_path(path)
         with self._guard("exists", resolved):
             return await self._routed_exists(resolved)
+
+    async def lstat(self, path: PathLike, *, content_limit: int = 0) -> PathInfo:
+        """What is at ``path``, never following a link there: its kind (``absent``,
+        ``file``, ``directory``, ``symlink``, ``other``), mode bits, owner, link count,
+        size, a link's target, and a regular file's first ``content_limit + 1`` bytes
+        (read without following a link). Served by the channel agent where there is one,
+        so a root policy that replaced ``sh`` or ``stat`` cannot answer for it.
+
+        Raises:
+            SandboxPermissionError: a parent cannot be searched, or the file not read.
+            SandboxInvalidArgumentError: a malformed path, or a negative limit.
+        """
+        self._check_open()
+        resolved = self.resolve_path(path)
+        if content_limit < 0:
+            raise SandboxInvalidArgumentError(f"content_limit must be >= 0, got {content_limit}")
+        with self._guard("lstat", resolved):
+            return await self._routed_lstat(resolved, content_limit)
+
+    async def mkdir(
+        self, path: PathLike, *, mode: int = 0o755, uid: int = -1, gid: int = -1
+    ) -> None:
+        """Make one fresh directory at ``path`` with exactly ``mode`` (no umask) and owner
+        ``uid``/``gid`` (-1: the sandbox's default user's), inside a parent that is a real
+        directory (a link there is refused). Nothing may be at ``path`` yet.
+
+        Raises:
+            SandboxError: something is at ``path`` already, or its parent is a link or
+                missing (typed by errno where it has a class).
+            SandboxPermissionError: not allowed.
+            SandboxInvalidArgumentError: a malformed path.
+        """
+        self._check_open()
+        resolved = self.resolve_path(path)
+        with self._guard("mkdir", resolved):
+            await self._routed_mkdir(resolved, mode, uid, gid)
 
     async def remove(self, path: PathLike, *, missing_ok: bool = False) -> None:
         """Remove a file, a symlink (not its target) or a whole directory tree.
@@ -712,6 +801,7 @@ class Runtime(Primitives, Keeping):
             source=str(self.sandbox_id),
             workdir=self.workdir,
             policy_user=self._prepared_policy_user(),
+            python=self._channel.interpreter if self._channel is not None else None,
         )
         with anyio.CancelScope(shield=True), self._guard("snapshot"):
             taken = await self._snapshot(tags)
@@ -773,6 +863,12 @@ class Runtime(Primitives, Keeping):
             SnapshotUnsupportedError: the default.
         """
         raise SnapshotUnsupportedError(f"the {self.name} backend cannot take snapshots")
+
+    def _channel_first_interpreter(self) -> str | None:
+        """A fork's first agent starts from the interpreter its snapshot's sandbox pinned
+        (never through ``sh`` and ``PATH`` in the policy's filesystem)."""
+        source = self._snapshot_source
+        return source.python if source is not None and source.untrusted is None else None
 
     def _check_fork_config(self) -> None:
         """Refuse a config this backend cannot start from a snapshot (raises

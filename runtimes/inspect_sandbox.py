@@ -8,6 +8,11 @@ JSON file holding one), ``sandbox=("vf", "ssh")`` (a bare backend name) or just
 ``docs/inspect.md`` has the mapping of inspect's contract onto vf-sandbox's, what differs and
 why.
 
+The provider acts as the policy: where the runtime keeps a policy account
+(:attr:`~runtimes.base.Runtime.policy_user`: ``vf-policy`` on Docker and Modal by default),
+``exec`` without ``user=`` (inspect's ``bash()``, ``python()``, ``read_file`` tools...),
+``read_file`` and ``write_file`` run as that account; ``exec(user="root")`` asks for more.
+
 Each sample gets one fresh sandbox (``sample_init``), closed at ``sample_cleanup``; what an
 interrupted eval left open is closed by ``task_cleanup``; ``inspect sandbox cleanup vf``
 sweeps what a dead eval process leaked. Solvers that want vf-sandbox's own API reach the
@@ -60,9 +65,11 @@ from .errors import (
     SandboxUserRefusedError,
     names_the_program,
 )
+from .inspect_files import read_as, write_as
 from .keep import find_sandbox
 from .models import Stream
 from .registry import open_runtime, resolve_runtime_config
+from .terminal import terminal_safe
 
 __all__ = ["INSPECT_LABEL", "TASK_LABEL", "VfSandboxEnvironment", "load_config"]
 
@@ -163,8 +170,15 @@ class VfSandboxEnvironment(SandboxEnvironment):
     @property
     def runtime(self) -> Runtime:
         """The vf-sandbox runtime behind this sandbox (streaming exec, shell sessions,
-        uploads and downloads, typed errors)."""
+        uploads and downloads, typed errors). Its own ``exec`` runs as the sandbox's
+        default user unless given ``user=runtime.policy_user``."""
         return self._runtime
+
+    @property
+    def policy_user(self) -> str | None:
+        """Who inspect's operations run as when they name no user: the runtime's policy
+        account, or ``None`` (the sandbox's default user) where it keeps none."""
+        return self._runtime.policy_user
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -261,11 +275,11 @@ class VfSandboxEnvironment(SandboxEnvironment):
         if id is not None:
             backend, config, info = await find_sandbox(id)
             await backend.destroy_sandbox(info, config)
-            print(f"removed {backend.name} sandbox {info.id}")
+            print(terminal_safe(f"removed {backend.name} sandbox {info.id}"))
             return
         results = await _sweep_ended_evals()
         for result in results:
-            print(_sweep_line(result))
+            print(terminal_safe(_sweep_line(result)))
         if not results:
             print("no vf sandboxes made by inspect were found")
 
@@ -305,7 +319,7 @@ class VfSandboxEnvironment(SandboxEnvironment):
                 stdin=input,
                 cwd=cwd,
                 env=env,
-                user=user,
+                user=user or self.policy_user,
                 timeout=timeout,
                 output_limit=2 * capture.limit + 1,
                 on_output=capture,
@@ -347,7 +361,11 @@ class VfSandboxEnvironment(SandboxEnvironment):
     @override
     async def write_file(self, file: str, contents: str | bytes) -> None:
         with _inspect_errors():
-            await self._runtime.write(file, contents)
+            user = self.policy_user
+            if user is None:
+                await self._runtime.write(file, contents)
+            else:
+                await write_as(self._runtime, user, file, contents)
 
     @overload
     async def read_file(self, file: str, text: Literal[True] = True) -> str: ...
@@ -357,11 +375,14 @@ class VfSandboxEnvironment(SandboxEnvironment):
 
     @override
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
+        limit = SandboxEnvironmentLimits.MAX_READ_FILE_SIZE
         with _inspect_errors():
+            user = self.policy_user
             try:
-                data = await self._runtime.read(
-                    file, max_bytes=SandboxEnvironmentLimits.MAX_READ_FILE_SIZE
-                )
+                if user is None:
+                    data = await self._runtime.read(file, max_bytes=limit)
+                else:
+                    data = await read_as(self._runtime, user, file, limit)
             except VfOutputLimitExceededError as exc:
                 raise OutputLimitExceededError(
                     SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, None

@@ -26,6 +26,12 @@ DEFAULT_POLICY_USER = "vf-policy"
 POLICY_UID = 10001
 """uid and gid of an account this module creates (images rarely use uids over 10000)."""
 
+DEFAULT_JUDGE_USER = "vf-judge"
+JUDGE_UID = 10002
+"""uid and gid of the judges' account, where this module creates it: distinct from the
+policy's, so what a judge runs (the policy's programs included) acts with neither root's nor
+the policy's rights (``docs/security.md``, "Judges' own account")."""
+
 _NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 
 _ENSURE = r"""
@@ -77,13 +83,21 @@ class PolicyAccount:
         self._lock = anyio.Lock()
 
     async def ensure(
-        self, name: str, run: RunAsMachinery, workdir: str, *, create: bool, through: str = ""
+        self,
+        name: str,
+        run: RunAsMachinery,
+        workdir: str,
+        *,
+        create: bool,
+        through: str = "",
+        uid: int = POLICY_UID,
     ) -> None:
         """Create the account ``name`` and hand it the workdir, unless done already.
 
         ``create``: add the account to ``/etc/passwd`` when missing (a sandbox of ours), or
         refuse (a host we only borrow a directory of). ``through``: a directory above the
-        workdir the account must be able to pass (made ``o+x``).
+        workdir the account must be able to pass (made ``o+x``). ``workdir`` ``"/"``: hand
+        the account no directory (the judges' account). ``uid``: of a created account.
 
         Raises:
             ProvisioningError: the account is missing and may not be made, or could not be
@@ -93,17 +107,15 @@ class PolicyAccount:
             return
         async with self._lock:
             if not self._ready:  # else a concurrent first use made it meanwhile
-                await _make(name, run, workdir, create=create, through=through)
+                await _make(name, run, workdir, create=create, through=through, uid=uid)
                 self._ready = True
 
 
 async def _make(
-    name: str, run: RunAsMachinery, workdir: str, *, create: bool, through: str
+    name: str, run: RunAsMachinery, workdir: str, *, create: bool, through: str, uid: int
 ) -> None:
-    argv = [name, str(POLICY_UID), workdir, str(int(create)), through]
+    argv = [name, str(uid), workdir, str(int(create)), through]
     code, err = await run(["sh", "-c", _ENSURE, "sh", *argv])
     if code != 0:
         detail = err.decode("utf-8", "replace").strip() or f"exit status {code}"
-        raise ProvisioningError(
-            f"cannot prepare the policy's user {name!r} in the sandbox: {detail}"
-        )
+        raise ProvisioningError(f"cannot prepare the account {name!r} in the sandbox: {detail}")

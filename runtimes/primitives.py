@@ -14,6 +14,7 @@ sent) to the plain path when the channel dies. Kills that could not be delivered
 from __future__ import annotations
 
 import abc
+import errno
 import logging
 import signal
 import time
@@ -24,6 +25,7 @@ import anyio
 
 from ._local_files import shell_error, tar_directory, untar_into, write_local_file
 from .channel import KILL_WAIT, ChannelHooks, ChannelInfo, ChannelSupervisor
+from .channel.agent.wire import KINDS, PathInfo
 from .config import RuntimeConfig
 from .errors import (
     HostRouteError,
@@ -31,6 +33,7 @@ from .errors import (
     SandboxError,
     SandboxFileNotFoundError,
     SandboxResourceError,
+    error_for_errno,
 )
 from .models import ExecRequest, OutputSink
 from .sweep import MARK_VAR, ORPHAN_KILL_SCRIPT
@@ -40,6 +43,31 @@ log = logging.getLogger("runtimes")
 _SIGKILLED = 128 + signal.SIGKILL
 
 __all__ = ["Primitives"]
+
+_LSTAT_SCRIPT = r"""
+f=$1 max=$2
+if [ -L "$f" ]; then
+  printf 'symlink '; stat -c '%f %u %g %h %s' -- "$f" || exit 5; readlink -- "$f" | head -c 4096
+  exit 0
+fi
+if [ ! -e "$f" ]; then echo "absent 0 0 0 0 0"; exit 0; fi
+if [ -d "$f" ]; then printf 'directory '; exec stat -c '%f %u %g %h %s' -- "$f"; fi
+if [ ! -f "$f" ]; then printf 'other '; exec stat -c '%f %u %g %h %s' -- "$f"; fi
+printf 'file '; stat -c '%f %u %g %h %s' -- "$f" || exit 5
+[ "$max" -gt 0 ] && head -c "$((max + 1))" -- "$f"
+exit 0
+"""
+"""``lstat`` on the plain path: ``kind mode(hex) uid gid links size``, a newline, then the
+link's target or the file's first ``max + 1`` bytes."""
+
+_MKDIR_SCRIPT = r"""
+p=$1; parent=${p%/*}
+if [ -L "${parent:-/}" ]; then echo "$parent is a symlink" >&2; exit 20; fi
+if [ -e "$p" ] || [ -L "$p" ]; then echo "$p exists" >&2; exit 17; fi
+mkdir -m "$2" -- "$p" || exit 1
+if [ "$3" != ":" ]; then chown -h -- "$3" "$p" || exit 1; fi
+chmod "$2" -- "$p"
+"""
 
 _NO_CHANNEL = ChannelInfo(
     state="disabled", agent_pid=None, python=None, restarts=0, served=0, fallbacks=0, reason=None
@@ -82,8 +110,14 @@ class Primitives(abc.ABC):
                     hooks,
                     stall_timeout=self._channel_stall_timeout(),
                     kill_wait=self._channel_kill_wait(),
+                    first_interpreter=self._channel_first_interpreter(),
                 )
         return self._channel
+
+    def _channel_first_interpreter(self) -> str | None:
+        """The absolute interpreter the first agent starts from (``None``: ``sh`` finds
+        ``python3``)."""
+        return None
 
     def _require_channel(self) -> ChannelSupervisor:
         channel = self._supervisor
@@ -199,6 +233,18 @@ class Primitives(abc.ABC):
             return await self._exists(path)
         return await channel.exists(path, lambda: self._exists(path))
 
+    async def _routed_lstat(self, path: str, limit: int) -> PathInfo:
+        channel = self._supervisor
+        if channel is None:
+            return await self._lstat(path, limit)
+        return await channel.lstat(path, limit, lambda: self._lstat(path, limit))
+
+    async def _routed_mkdir(self, path: str, mode: int, uid: int, gid: int) -> None:
+        channel = self._supervisor
+        if channel is None:
+            return await self._mkdir(path, mode, uid, gid)
+        return await channel.mkdir(path, mode, uid, gid, lambda: self._mkdir(path, mode, uid, gid))
+
     async def _routed_remove(self, path: str) -> None:
         channel = self._supervisor
         if channel is None:
@@ -290,6 +336,38 @@ class Primitives(abc.ABC):
     async def _exists(self, path: str) -> bool:
         request, sink = self._internal(["sh", "-c", 'test -e "$1" || test -L "$1"', "sh", path])
         return await self._routed_exec(request, sink) == 0
+
+    async def _lstat(self, path: str, limit: int) -> PathInfo:
+        """The plain path of ``lstat``: the sandbox's ``sh``, ``stat`` and ``head`` (which a
+        root policy may have replaced: the channel's answer is preferred)."""
+        request, sink = self._internal(
+            ["sh", "-c", _LSTAT_SCRIPT, "sh", path, str(limit)], limit=limit + 8192
+        )
+        code = await self._routed_exec(request, sink)
+        header, _, rest = bytes(sink.stdout).partition(b"\n")
+        fields = header.decode("utf-8", "replace").split()
+        if code != 0 or len(fields) != 6 or fields[0] not in KINDS:
+            raise shell_error(path, sink)
+        kind, numbers = fields[0], fields[1:]
+        try:
+            mode, uid, gid, links, size = (int(numbers[0], 16), *map(int, numbers[1:]))
+        except ValueError:
+            raise shell_error(path, sink) from None
+        mode &= 0o7777
+        if kind == "symlink":
+            target = rest.removesuffix(b"\n").decode("utf-8", "surrogateescape")
+            return PathInfo(kind, mode, uid, gid, links, size, target=target)
+        return PathInfo(kind, mode, uid, gid, links, size, content=rest if kind == "file" else b"")
+
+    async def _mkdir(self, path: str, mode: int, uid: int, gid: int) -> None:
+        owner = f"{uid if uid >= 0 else ''}:{gid if gid >= 0 else ''}"
+        argv = ["sh", "-c", _MKDIR_SCRIPT, "sh", path, f"{mode:o}", owner]
+        request, sink = self._internal(argv)
+        code = await self._routed_exec(request, sink)
+        if code == 17:
+            raise error_for_errno(errno.EEXIST, path)
+        if code != 0:
+            raise shell_error(path, sink)
 
     async def _remove(self, path: str) -> None:
         request, sink = self._internal(["rm", "-rf", "--", path])

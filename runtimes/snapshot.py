@@ -57,6 +57,10 @@ WORKDIR = ownership.LABEL_PREFIX + "snapshot-workdir"
 POLICY_USER = ownership.LABEL_PREFIX + "snapshot-policy-user"
 """The policy's account, if the snapshotted sandbox had already made it and handed it the
 workdir: a fork of the same workdir needs not do it again (``""``: none)."""
+PYTHON = ownership.LABEL_PREFIX + "snapshot-python"
+"""The absolute path of the interpreter the snapshotted sandbox's channel agent ran from
+(pinned at its first start, before the policy ran): a fork's first agent starts from that path
+directly — no ``sh``, no ``PATH`` search in the policy's filesystem (``""``: none pinned)."""
 UNTRUSTED = ownership.LABEL_PREFIX + "snapshot-untrusted"
 """Why the interpreter a whole-filesystem snapshot holds may not be the image's (a changed
 ``python*`` or system library): the channel agent of a fork then never runs it (``""``: no
@@ -80,7 +84,8 @@ class SandboxSnapshot(BaseModel):
     directory's absolute path (subprocess: on this host; SSH: on the remote host). ``source`` is
     the id of the sandbox it was taken of, ``workdir`` that sandbox's workdir, ``created`` an
     ISO-8601 time. ``labels`` are every label stored with it (session labels included).
-    ``policy_user`` and ``untrusted``: see :data:`POLICY_USER` and :data:`UNTRUSTED`.
+    ``policy_user``, ``untrusted`` and ``python``: see :data:`POLICY_USER`, :data:`UNTRUSTED`
+    and :data:`PYTHON`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -94,6 +99,7 @@ class SandboxSnapshot(BaseModel):
     workdir: str
     policy_user: str | None = None
     untrusted: str | None = None
+    python: str | None = None
 
     def __hash__(self) -> int:
         return hash((self.backend, self.id))
@@ -118,6 +124,7 @@ def snapshot_labels(
     workdir: str,
     policy_user: str | None,
     untrusted: str | None = None,
+    python: str | None = None,
 ) -> dict[str, str]:
     """Every label of a snapshot taken now by this process. Each snapshot key is set, empty
     when it says nothing, and ``keep`` is ``"true"`` or ``"false"``: a Docker commit merges
@@ -131,6 +138,7 @@ def snapshot_labels(
             WORKDIR: workdir,
             POLICY_USER: policy_user or "",
             UNTRUSTED: untrusted or "",
+            PYTHON: python or "",
         }
     )
     return labels
@@ -151,6 +159,7 @@ def snapshot_from_labels(
         workdir=kept.get(WORKDIR, ""),
         policy_user=kept.get(POLICY_USER) or None,
         untrusted=kept.get(UNTRUSTED) or None,
+        python=kept.get(PYTHON) or None,
     )
 
 

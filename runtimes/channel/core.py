@@ -4,6 +4,7 @@ remove, relay listeners), each a typed header and a conversation of frames."""
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import AsyncIterable, Mapping
 from dataclasses import dataclass, field
 
@@ -91,9 +92,39 @@ class Channel(FramedStream):
                 raise SandboxGone(f"{self.label}: the sandbox stopped")
             wait = NEXT_PROBE
 
+    def _malformed(self, what: str, pgid: int | None = None) -> ChannelLost:
+        """A frame the real agent never sends, yet authenticated (sent with the key: the agent
+        was replaced, or its memory read by root): the channel is tampered with, and the
+        request fails with the error to raise (the supervisor types it)."""
+        self._tamper(f"the agent sent a malformed {what}: it is not the agent the host started")
+        return ChannelLost(f"{self.label}: {self.tampered}", pgid)
+
+    def _number(
+        self, kind: struct.Struct, payload: bytes, frame: str, pgid: int | None = None
+    ) -> int:
+        """The one number a ``STARTED``, ``EXIT``, ``ACK`` or ``DONE`` frame carries.
+
+        Raises:
+            ChannelLost: the payload is not exactly that number (the channel is tampered).
+        """
+        if len(payload) != kind.size:
+            raise self._malformed(f"{frame} frame ({len(payload)} bytes, not {kind.size})", pgid)
+        return int(kind.unpack(payload)[0])
+
+    def _report(self, payload: bytes, pgid: int | None = None) -> ErrorReport:
+        """An ``ERROR`` frame's report.
+
+        Raises:
+            ChannelLost: the payload is no report (the channel is tampered).
+        """
+        try:
+            return ErrorReport.from_wire(payload)
+        except (struct.error, ValueError, IndexError):
+            raise self._malformed(f"ERROR frame ({len(payload)} bytes)", pgid) from None
+
     def _acked(self, in_flight: int, payload: bytes) -> int:
         """The window after an ``ACK``; one acknowledging more than was sent is a forgery."""
-        in_flight -= U32.unpack(payload)[0]
+        in_flight -= self._number(U32, payload, "ACK")
         if in_flight < 0:
             self._tamper("the agent acknowledged bytes the host never sent")
         return in_flight
@@ -176,17 +207,17 @@ class Channel(FramedStream):
                 state.in_flight = self._acked(state.in_flight, payload)
                 state.window_opened.set()
             elif kind == wire.STARTED:
-                state.pgid = U32.unpack(payload)[0]
+                state.pgid = self._number(U32, payload, "STARTED")
                 state.started.set()
             elif kind == wire.STDIN_CLOSED:
                 state.stdin_closed = True
                 state.window_opened.set()
             elif kind == wire.EXIT:
                 state.finished = True
-                return int(I32.unpack(payload)[0])
+                return self._number(I32, payload, "EXIT", state.pgid)
             elif kind == wire.ERROR:
                 state.finished = True
-                raise _exec_error(payload, request)
+                raise _exec_error(self._report(payload, state.pgid), request)
             elif kind == LOST:
                 state.finished = True
                 raise ChannelLost(f"{self.label}: the channel died during an exec", state.pgid)
@@ -236,7 +267,10 @@ class Channel(FramedStream):
                 while True:
                     kind, payload = await self._receive(pending)
                     if kind == wire.STARTED:
-                        pgid = U32.unpack(payload)[0]
+                        try:
+                            pgid = self._number(U32, payload, "STARTED")
+                        except ChannelLost:
+                            break  # tampered with: the plain path kills what it knows of
                     elif kind in (wire.EXIT, wire.ERROR):
                         return
                     elif kind == LOST:
@@ -282,7 +316,7 @@ class Channel(FramedStream):
                     return b"".join(parts)
                 elif kind == wire.ERROR:
                     done = True
-                    raise _file_error(payload, path, limit)
+                    raise _file_error(self._report(payload), path, limit)
                 elif kind == LOST:
                     done = True
                     raise ChannelLost(f"{self.label}: the channel died during a read")
@@ -318,7 +352,7 @@ class Channel(FramedStream):
                     return
                 elif kind == wire.ERROR:
                     done = True
-                    raise _file_error(payload, path, 0)
+                    raise _file_error(self._report(payload), path, 0)
                 elif kind == LOST:
                     done = True
                     raise ChannelLost(f"{self.label}: the channel died during a write")
@@ -359,7 +393,7 @@ class Channel(FramedStream):
             self._send(wire.HALT, pending.rid, b"")
             answer, payload = await self._next(pending, file=True)
             if answer == wire.ERROR:
-                raise file_error(payload, "kill(-1)", 0)
+                raise file_error(self._report(payload), "kill(-1)", 0)
             if answer != wire.DONE:
                 raise ChannelLost(f"{self.label}: the channel died during a halt")
         finally:
@@ -379,22 +413,52 @@ class Channel(FramedStream):
             # Not a file request: a sweep of a fork loop may take its time (bounded passes).
             answer, payload = await self._next(pending)
             if answer == wire.DONE:
-                return int(U32.unpack(payload)[0])
+                return self._number(U32, payload, "DONE")
             if answer == wire.ERROR:
-                raise _file_error(payload, "stop_processes", 0)
+                raise _file_error(self._report(payload), "stop_processes", 0)
             raise ChannelLost(f"{self.label}: the channel died during a sweep")
         finally:
             self._finish(pending)
 
-    async def _simple(self, kind: int, path: str) -> bytes:
+    async def lstat(self, path: str, limit: int) -> wire.PathInfo:
+        """What is at ``path`` (never following a link there); a regular file's first
+        ``limit + 1`` bytes read through ``O_NOFOLLOW``.
+
+        Raises:
+            SandboxPermissionError: a parent cannot be searched, or the file not read.
+            ChannelLost / SandboxGone: for the supervisor to handle (a malformed answer marks
+                the channel tampered: the agent is ours, so only a forger sends one).
+        """
+        payload = await self._simple(wire.LSTAT, path, wire.ReadHeader(path, limit).to_wire())
+        try:
+            info = wire.PathInfo.from_wire(payload)
+        except (ValueError, IndexError, struct.error, UnicodeDecodeError):
+            raise self._malformed(f"LSTAT answer ({len(payload)} bytes)") from None
+        if len(info.content) > limit + 1:
+            raise self._malformed(f"LSTAT answer ({len(info.content)} bytes past a {limit} cap)")
+        return info
+
+    async def mkdir(self, path: str, mode: int, uid: int, gid: int) -> None:
+        """Make one fresh directory (see :class:`~runtimes.channel.agent.wire.MkdirHeader`).
+
+        Raises:
+            SandboxError: something is at the path already (EEXIST), the parent is a
+                link or missing (typed by errno), or the agent may not.
+            ChannelLost / SandboxGone: for the supervisor to handle.
+        """
+        await self._simple(wire.MKDIR, path, wire.MkdirHeader(path, mode, uid, gid).to_wire())
+
+    async def _simple(self, kind: int, path: str, payload: bytes | None = None) -> bytes:
         pending = self._open()
         try:
-            self._send(kind, pending.rid, PathHeader(path).to_wire())
+            self._send(
+                kind, pending.rid, PathHeader(path).to_wire() if payload is None else payload
+            )
             answer, payload = await self._next(pending, file=True)
             if answer == wire.DONE:
                 return payload
             if answer == wire.ERROR:
-                raise _file_error(payload, path, 0)
+                raise _file_error(self._report(payload), path, 0)
             raise ChannelLost(f"{self.label}: the channel died during a file operation")
         finally:
             self._finish(pending)
@@ -418,11 +482,11 @@ class Channel(FramedStream):
             self._send(wire.LISTEN, pending.rid, header.to_wire())
             kind, answer = await self._next(pending, file=True)
             if kind == wire.DONE:
-                listener.sandbox_port = U16.unpack(answer)[0]
+                listener.sandbox_port = self._number(U16, answer, "DONE")
                 ready = True
                 return listener
             if kind == wire.ERROR:
-                message = ErrorReport.from_wire(answer).message
+                message = self._report(answer).message
                 raise HostRouteError(
                     f"{self.label}: the agent cannot listen on 127.0.0.1:{port}: {message}",
                     via="channel",
@@ -444,17 +508,15 @@ def _process_limit(report: ErrorReport, program: str) -> SandboxProcessLimitErro
     return SandboxProcessLimitError(program, setting)
 
 
-def _exec_error(payload: bytes, request: ExecRequest) -> Exception:
+def _exec_error(report: ErrorReport, request: ExecRequest) -> Exception:
     """As :func:`~.protocol.exec_error`, with the process limit typed."""
-    report = ErrorReport.from_wire(payload)
     if report.what == "pids":
         return _process_limit(report, request.argv[0])
-    return exec_error(payload, request)
+    return exec_error(report, request)
 
 
-def _file_error(payload: bytes, path: str, limit: int) -> SandboxError:
+def _file_error(report: ErrorReport, path: str, limit: int) -> SandboxError:
     """As :func:`~.protocol.file_error`, with the process limit typed."""
-    report = ErrorReport.from_wire(payload)
     if report.what == "pids":
         return _process_limit(report, path)
-    return file_error(payload, path, limit)
+    return file_error(report, path, limit)

@@ -10,6 +10,7 @@ import logging
 import math
 import queue
 import secrets
+import struct
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -431,17 +432,18 @@ class FramedStream:
             if kind == wire.HELLO and self.hello is None:
                 self._greeted(payload)
             elif kind == wire.DIGEST and self.digests is None:
-                self.digests = wire.digests_from_wire(payload)
-                if self._digests_ready is not None:
-                    self._digests_ready.set()
+                self._digested(payload)
             elif kind == wire.ALERT:
-                reason = wire.Fields(payload).text()
+                try:
+                    reason = wire.Fields(payload).text()
+                except struct.error:
+                    reason = f"(a malformed alert: {payload[:80]!r})"
                 self._tamper(f"the agent received frames it did not get from the host: {reason}")
 
     def _greeted(self, payload: bytes) -> None:
         try:
             self.hello = Hello.from_wire(payload)
-        except (ValueError, IndexError) as exc:  # struct.error is a ValueError
+        except (struct.error, ValueError, IndexError) as exc:  # struct.error is no ValueError
             self._tamper(f"the agent's hello is malformed: {exc}")
             return
         if self.hello.version != wire.VERSION:
@@ -453,6 +455,20 @@ class FramedStream:
             )
         if self._ready is not None:
             self._ready.set()
+
+    def _digested(self, payload: bytes) -> None:
+        """The agent's ``DIGEST`` frame: the digests, or a tampered channel when it is not
+        ``(text path, 32-byte sha256)`` repeated."""
+        try:
+            digests: dict[str, bytes] | None = wire.digests_from_wire(payload)
+        except (struct.error, ValueError, IndexError):
+            digests = None
+        if digests is None or any(len(d) != wire.DIGEST_SIZE for d in digests.values()):
+            self._tamper(f"the agent's DIGEST frame is malformed ({len(payload)} bytes)")
+            return
+        self.digests = digests
+        if self._digests_ready is not None:
+            self._digests_ready.set()
 
     def _on_lost(self) -> None:
         self._lost = True

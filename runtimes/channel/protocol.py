@@ -113,11 +113,10 @@ class ChannelTransport(abc.ABC):
 # ---------------------------------------------------------------------- the agent's errors
 
 
-def exec_error(payload: bytes, request: ExecRequest) -> Exception:
-    """The error an exec's ``ERROR`` frame stands for: :class:`ChannelRefused` (the plain
-    path serves it), or the typed ``SandboxError`` every backend's wrapper report maps to
-    (:func:`runtimes.wrapper.report_error`)."""
-    report = ErrorReport.from_wire(payload)
+def exec_error(report: ErrorReport, request: ExecRequest) -> Exception:
+    """The error an exec's ``ERROR`` frame (parsed: ``report``) stands for:
+    :class:`ChannelRefused` (the plain path serves it), or the typed ``SandboxError`` every
+    backend's wrapper report maps to (:func:`runtimes.wrapper.report_error`)."""
     if report.what == "unsupported":
         return ChannelRefused(report.message)
     if report.what == "internal":
@@ -126,9 +125,9 @@ def exec_error(payload: bytes, request: ExecRequest) -> Exception:
     return report_error(report.num, report.what, request, detail=report.message)
 
 
-def file_error(payload: bytes, path: str, limit: int) -> SandboxError:
-    """The typed error a file request's ``ERROR`` frame stands for (``limit``: a read's)."""
-    report = ErrorReport.from_wire(payload)
+def file_error(report: ErrorReport, path: str, limit: int) -> SandboxError:
+    """The typed error a file request's ``ERROR`` frame (parsed: ``report``) stands for
+    (``limit``: a read's)."""
     num, what, message = report.num, report.what, report.message
     if what == "internal":
         return SandboxError(f"the channel agent failed on {path!r}: {message}")

@@ -30,6 +30,7 @@ from ..errors import (
 )
 from ..models import ExecRequest, OutputSink
 from ..stdin_feed import StdinTap
+from .agent.wire import PathInfo
 from .core import Channel
 from .framing import current_loop
 from .protocol import (
@@ -139,8 +140,10 @@ class ChannelSupervisor:
         start_timeout: float = START_TIMEOUT,
         stall_timeout: float | None = None,
         kill_wait: float = KILL_WAIT,
+        first_interpreter: str | None = None,
     ) -> None:
         self.enabled = enabled
+        self._first_interpreter = first_interpreter
         self._label = label
         self._hooks = hooks
         self._max_restarts = max_restarts
@@ -204,7 +207,12 @@ class ChannelSupervisor:
             if reason is not None:
                 self._distrust(f"the agent's interpreter cannot be trusted: {reason}")
                 return
-        self._channel = await self._launch()
+        self._channel = await self._launch(self._first_interpreter)
+
+    @property
+    def interpreter(self) -> str | None:
+        """The interpreter's absolute path pinned at the first start (``None``: none yet)."""
+        return self._interpreter
 
     async def halt(self, timeout: float = HALT_WAIT) -> bool:
         """At close: have the running agent SIGKILL every other process of the sandbox but
@@ -461,6 +469,8 @@ class ChannelSupervisor:
         try:
             return await chan.listen(target)
         except ChannelLost as lost:
+            if chan.tampered is not None:
+                self._distrust(chan.tampered)  # never restarted: the plain path serves
             await self._retire(chan)
             raise HostRouteError(f"{self._label()}: {lost}", via="channel") from None
         except SandboxGone:
@@ -527,6 +537,25 @@ class ChannelSupervisor:
         """Idempotent: a channel that dies under it hands over to ``plain()``."""
         return await self._file_call(
             lambda chan: chan.exists(path), plain, f"a stat of {path!r}", idempotent=True
+        )
+
+    async def lstat(
+        self, path: str, limit: int, plain: Callable[[], Awaitable[PathInfo]]
+    ) -> PathInfo:
+        """Idempotent: a channel that dies under it hands over to ``plain()``."""
+        return await self._file_call(
+            lambda chan: chan.lstat(path, limit), plain, f"an lstat of {path!r}", idempotent=True
+        )
+
+    async def mkdir(
+        self, path: str, mode: int, uid: int, gid: int, plain: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Not idempotent: a channel that dies under it is a transport (or dead) error."""
+        await self._file_call(
+            lambda chan: chan.mkdir(path, mode, uid, gid),
+            plain,
+            f"making {path!r}",
+            idempotent=False,
         )
 
     async def write(self, path: str, data: bytes, plain: Callable[[], Awaitable[None]]) -> None:

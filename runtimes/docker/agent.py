@@ -109,6 +109,28 @@ def _untrusted_change(changed: list[str], digests: Mapping[str, bytes]) -> str |
     return None
 
 
+JUDGE_SHELLS = frozenset(("bash", "env", "timeout", "setsid", "nohup"))
+"""The programs a judge's commands run through (the bash harness's ``bash -c``). ``sh`` is
+not among them: the machinery no longer runs the sandbox's ``sh`` around a judge (its probes
+are the channel agent's), and the bash harness runs ``bash``."""
+
+
+def judge_untrusted(changed: list[str]) -> str | None:
+    """Why the container's changes (the engine's diff) make its system unfit to run a
+    judge's commands in, or ``None``: the dynamic loader's preload list or configuration
+    (code loaded into every program), or a shell a judge's commands run through, changed
+    since the image. A root policy's package installs (libraries, ``ld.so.cache``) pass."""
+    for path in changed:
+        if path == "/etc/ld.so.preload" or path.startswith("/etc/ld.so.conf"):
+            return f"{path} changed in the container (code every program would load)"
+        folder, name = posixpath.split(path)
+        if folder in ("/bin", "/usr/bin", "/usr/local/bin", "/sbin", "/usr/sbin") and (
+            name in JUDGE_SHELLS
+        ):
+            return f"{path} changed in the container (a shell the judge's commands run through)"
+    return None
+
+
 def _protected_system_path(path: str) -> bool:
     """A path whose change makes the channel agent's interpreter untrustworthy: a shared
     library or the Python standard library (site-/dist-packages aside: ``-I -S`` never

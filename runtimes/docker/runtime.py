@@ -53,7 +53,7 @@ from ..scripts import load
 from ..snapshot import UNTRUSTED, SandboxSnapshot, SnapshotUnsupportedError
 from ..sweep import MARK_VAR, ORPHAN_KILL_SCRIPT, sweep_argv
 from ..wrapper import ReportReader, new_nonce
-from .agent import _untrusted_change, _untrusted_python, open_agent_stream
+from .agent import _untrusted_change, _untrusted_python, judge_untrusted, open_agent_stream
 from .client import (
     KILL_WAIT,
     _api_message,
@@ -165,6 +165,9 @@ class DockerRuntime(Runtime):
         if not self._owned or not self.config.policy_user:
             return None
         return self.config.policy_user if _is_root_user(self._default_user) else None
+
+    def _makes_accounts(self) -> bool:
+        return not self.config.read_only  # a read-only /etc takes no new account
 
     @property
     def attached(self) -> bool:
@@ -641,6 +644,11 @@ class DockerRuntime(Runtime):
         from, to the dynamic loader's configuration, or to a shared library. The image is
         trusted; whatever a command changed in those places is not."""
         return _untrusted_change(await changed_paths(self._ref()), digests)
+
+    async def system_tampered(self) -> str | None:
+        """The engine's diff against the image: a changed loader preload/configuration or
+        judge shell (:func:`.agent.judge_untrusted`). Reads nothing in the sandbox."""
+        return judge_untrusted(await changed_paths(self._ref()))
 
     async def _verify_attached_python(self) -> str | None:
         """Before the first agent starts in a container this runtime did not create

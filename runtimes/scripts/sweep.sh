@@ -1,12 +1,12 @@
 # Freeze, then kill: every matching process is sent SIGSTOP (which cannot be caught) until a
 # whole pass over /proc finds none still running and no process it had not seen before, so a
 # fork loop cannot outrun the sweep; then all of them get SIGKILL. Arguments: the mode, the
-# mark (NAME=value), a pid whose session is spared (the channel agent, or ""), a user all of
-# whose processes are the policy's ("").
+# mark (NAME=value), a pid whose session is spared (the channel agent, or ""), users (comma-
+# separated) all of whose processes are the sandbox's: the policy's and the judges' ("").
 # Modes: ``all``, every process outside session 1 (a container of ours: its keep-alive is
 # session 1); ``since:T``, every process started at or after clock tick T (a sandbox of ours
 # whose own processes predate T); ``mark``, processes carrying the mark in their environment
-# or owned by the user, or whose working directory is $5 (the sandbox's own). The sweep's
+# or owned by one of the users, or whose working directory is $5 (the sandbox's own). The sweep's
 # own session and its ancestors are always spared.
 mode=$1 mark=$2 keep=$3 user=$4 home=$5
 since=""; case $mode in since:*) since=${mode#since:} ;; esac
@@ -34,8 +34,12 @@ mine=$(sid_of $$)
 spare=""; [ -n "$keep" ] && spare=$(sid_of "$keep")
 kept=" $(ancestors $$ | tr '\n' ' ') "
 [ -n "$keep" ] && kept="$kept$(ancestors "$keep" | tr '\n' ' ') "
-uid=""; if [ -n "$user" ]; then uid=$(id -u -- "$user" 2>/dev/null) || uid=""; fi
-[ "$uid" = "$(id -u)" ] && uid=""
+# $4 may name several accounts, comma-separated (the policy's and the judges'); the sweep's
+# own uid is never one of them.
+uids=" "; me=$(id -u)
+for u in $(printf '%s' "$user" | tr ',' ' '); do
+  i=$(id -u -- "$u" 2>/dev/null) && [ "$i" != "$me" ] && uids="$uids$i "
+done
 # look PID NEW: freeze PID if it matches; NEW=1 for a pid the pass before did not list.
 look() {
   case $kept in *" $1 "*) return ;; esac
@@ -55,9 +59,9 @@ look() {
     [ "$started" -ge "$since" ] || hit=0
   else
     hit=0
-    if [ -n "$uid" ]; then
+    if [ "$uids" != " " ]; then
       while read -r k v _; do
-        [ "$k" = Uid: ] && { [ "$v" = "$uid" ] && hit=1; break; }
+        [ "$k" = Uid: ] && { case $uids in *" $v "*) hit=1 ;; esac; break; }
       done 2>/dev/null < "/proc/$1/status"
     fi
     # -ef (same file) is not in POSIX, but dash, bash and busybox sh all have it.

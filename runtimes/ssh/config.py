@@ -36,7 +36,11 @@ class SSHConfig(RuntimeConfig):
     (``exec(user=rt.policy_user)``), apart from the root login the host's machinery uses;
     it is handed the workdir on first use. ``stop_processes`` kills every process of that
     account, so give each live sandbox an account of its own. Unset (the default), the
-    policy runs as the login user (``docs/security.md``).
+    policy runs as the login user (``docs/security.md``). ``judge_user``: another existing
+    account (with ``policy_user``) that judges placed in the sandbox run their verdict-writing
+    commands as, so that a program a judge runs never gets the root login
+    (``docs/security.md``, "Judges' own account"); ``stop_processes`` kills its processes too.
+    Unset, judges run as the login.
 
     Resource limits are per command, set with ``prlimit`` (util-linux) on the remote host:
     ``memory`` is each process's address space (``RLIMIT_AS``, not a total of the sandbox),
@@ -85,6 +89,7 @@ class SSHConfig(RuntimeConfig):
     )
     max_channels: int = Field(default=10, ge=4)
     policy_user: str | None = None
+    judge_user: str | None = None
     network: Literal["host"] = "host"
     channel: bool = Field(
         default=True,
@@ -99,7 +104,7 @@ class SSHConfig(RuntimeConfig):
             _parse_host_key_line(value)
         return value
 
-    _plain_policy_user = field_validator("policy_user")(validate_policy_user)
+    _plain_policy_user = field_validator("policy_user", "judge_user")(validate_policy_user)
 
     @field_validator("network", mode="before")
     @classmethod
@@ -115,6 +120,14 @@ class SSHConfig(RuntimeConfig):
     def _policy_needs_root(self) -> SSHConfig:
         if self.policy_user is not None and self.username != "root":
             raise ValueError("policy_user needs username 'root' (to switch users with runuser)")
+        return self
+
+    @model_validator(mode="after")
+    def _judge_needs_a_policy_account(self) -> SSHConfig:
+        if self.judge_user is not None and self.policy_user is None:
+            raise ValueError("judge_user needs policy_user (without it judges run as the login)")
+        if self.judge_user is not None and self.judge_user == self.policy_user:
+            raise ValueError("judge_user must be an account other than policy_user")
         return self
 
     @model_validator(mode="after")

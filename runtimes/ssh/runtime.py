@@ -139,7 +139,8 @@ class SSHRuntime(_ConnectedRuntime):
         home = self._workdir if self._owns_workdir else None
         agent = self._channel_agent_pid()
         mark = f"{MARK_VAR}={self._mark}"
-        return sweep_argv("mark", mark, keep=agent, user=self.policy_user, home=home)
+        users = ",".join(u for u in (self.policy_user, self.judge_user) if u)
+        return sweep_argv("mark", mark, keep=agent, user=users, home=home)
 
     @property
     def sandbox_id(self) -> str | None:
@@ -350,6 +351,11 @@ class SSHRuntime(_ConnectedRuntime):
     def policy_user(self) -> str | None:
         """``policy_user`` of the config (root logins only)."""
         return self.config.policy_user
+
+    @property
+    def judge_user(self) -> str | None:
+        """``judge_user`` of the config (which needs ``policy_user``): an existing account."""
+        return self.config.judge_user if self.policy_user is not None else None
 
     _creates_policy_user = False  # a host's accounts are not ours to make
 

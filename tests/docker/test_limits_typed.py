@@ -405,10 +405,10 @@ def test_a_file_request_without_a_thread_is_refused_as_the_limit(
 def test_the_host_types_the_agents_process_limit_report(setting: str) -> None:
     payload = wire.ErrorReport(errno.EAGAIN, "pids", setting or "Resource temporarily unavailable")
     request = ExecRequest(("make", "-j"), "/work", {}, None, None, None, 1 << 20)
-    err = core._exec_error(payload.to_wire(), request)
+    err = core._exec_error(payload, request)
     assert isinstance(err, SandboxProcessLimitError)
     assert (err.filename, err.setting) == ("make", setting or None)
-    read = core._file_error(payload.to_wire(), "/work/f", 0)
+    read = core._file_error(payload, "/work/f", 0)
     assert isinstance(read, SandboxProcessLimitError) and read.filename == "/work/f"
 
 

@@ -72,7 +72,10 @@ async def test_turns_are_recorded_and_requests_rewritten(
     )
     # the sandboxed agent: an OpenAI client that knows only the proxy URL and the secret
     agent_side = ModelEndpoint(
-        base_url=proxy.base_url, model="placeholder", max_retries=0, sampling={"top_p": 0.9}
+        base_url=proxy.base_url,
+        model="placeholder",
+        max_retries=0,
+        sampling={"top_p": 0.9, "presence_penalty": 0.5},
     )
     async with ChatClient(agent_side, api_key=run.secret) as agent:
         first = await agent.chat(USER, tools=[{"type": "function", "function": {"name": "bash"}}])
@@ -81,11 +84,13 @@ async def test_turns_are_recorded_and_requests_rewritten(
         second = await agent.chat(followup)
     assert second.content == "done"
     assert server.failures == []
-    # upstream saw its own model name and key, the endpoint's defaults, the agent's overrides
+    # upstream saw its own model name and key, the endpoint's sampling (it wins over the
+    # agent's), and what the agent may add where the endpoint sets nothing
     for seen in server.requests:
         assert seen.api_key == UPSTREAM_KEY
         assert seen.body["model"] == "scripted-model"
-        assert seen.body["temperature"] == 0.1 and seen.body["top_p"] == 0.9
+        assert seen.body["temperature"] == 0.1 and seen.body["top_p"] == 0.5
+        assert seen.body["presence_penalty"] == 0.5
     assert [t.index for t in trace.turns] == [0, 1]
     assert trace.turns[0].request_messages == USER
     assert trace.turns[1].request_messages == followup

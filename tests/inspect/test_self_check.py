@@ -6,9 +6,11 @@ login on a ``vf-sandbox/sshd`` container this run starts) and Modal (the fake SD
 One sandbox per backend serves all checks (as inspect's own runner does); the checks clean up
 after themselves. A check a backend cannot pass is a strict xfail with its reason, so it fails
 the run the day it starts passing. The reasons are the ones in ``docs/inspect.md``: a root
-sandbox overrides file permission bits, a Docker sandbox configured as a non-root user never
-runs anything as root, and a host process that is not root cannot switch users. Everything
-else passes on every backend.
+sandbox with no policy account (SSH without ``policy_user``, subprocess as root) overrides file
+permission bits, a Docker sandbox configured as a non-root user never runs anything as root, and
+a host process that is not root cannot switch users. Docker and Modal as root keep a policy
+account (``vf-policy``) that the provider acts as, so the permission checks pass there.
+Everything else passes on every backend.
 """
 
 from __future__ import annotations
@@ -62,10 +64,11 @@ def _subprocess_xfails() -> dict[str, str]:
 
 BACKENDS = [
     Backend("subprocess", [], _subprocess_xfails()),
-    Backend("docker-root", [pytest.mark.docker], dict(ROOT_XFAILS)),
+    # the provider acts as the policy account (vf-policy): file modes apply
+    Backend("docker-root", [pytest.mark.docker], {}),
     Backend("docker-nonroot", [pytest.mark.docker], dict(USER_IS_THE_CEILING)),
     Backend("ssh-root", [pytest.mark.ssh, pytest.mark.docker], dict(ROOT_XFAILS)),
-    Backend("modal-fake", [pytest.mark.docker], dict(ROOT_XFAILS)),
+    Backend("modal-fake", [pytest.mark.docker], {}),
 ]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from harnesses.base import Trace
-from harnesses.scripted import bash_call, reply
+from harnesses.scripted import ScriptItem, bash_call, reply
 from placement import errors as PE
 from placement.run import run_judges
 from placement.specs import JudgeSpec
@@ -25,18 +25,21 @@ pytestmark = pytest.mark.anyio
 MARKER = "vf-fork-leftover-5e1c"
 
 
-def fork_check(me: str, other: str, docker: bool) -> str:
+def fork_check(me: str, other: str, docker: bool) -> list[ScriptItem]:
     """The bash a fork judge runs: the policy's world is there as the policy left it, its own
     write is private (the other fork's file never shows up, though both run at once), and on
-    Docker nothing the policy left running is alive in the fork."""
+    Docker nothing the policy left running is alive in the fork. Two commands: the check
+    changes the world (``{me}.txt``, ``{me}.ok``), which a command that writes the verdict
+    does not (it runs as the judges' account where there is one)."""
     no_leftover = (
         f"! ps -eo args | grep -v grep | grep -q {MARKER} && " if docker else ""
     )  # subprocess sandboxes share the host's process table: nothing to look for there
-    return (
+    check = (
         f'test "$(cat world.txt)" = policy && {no_leftover}'
         f"echo {me} > {me}.txt && sleep 2 && test ! -e {other}.txt && test -e {me}.txt && "
-        + WRITE_PASS
+        f"touch {me}.ok"
     )
+    return [bash_call(check), bash_call(f"test -e {me}.ok && " + WRITE_PASS)]
 
 
 async def test_fork_judges_see_the_policys_world_and_nothing_else(
@@ -45,10 +48,12 @@ async def test_fork_judges_see_the_policys_world_and_nothing_else(
     docker = backend["type"] == "docker"
     models = scripted_models(
         {
-            "f1": [bash_call(fork_check("f1", "f2", docker)), reply("done")],
-            "f2": [bash_call(fork_check("f2", "f1", docker)), reply("done")],
+            "f1": [*fork_check("f1", "f2", docker), reply("done")],
+            "f2": [*fork_check("f2", "f1", docker), reply("done")],
             # the rollout judge changes the live world; the forks were taken before it ran
-            "r": [bash_call("echo judged > world.txt && " + WRITE_PASS), reply("done")],
+            # (in a command of its own: a command that writes the verdict runs as the
+            # judges' account, which reads the world but does not change it)
+            "r": [bash_call("echo judged > world.txt"), bash_call(WRITE_PASS), reply("done")],
         }
     )
     judges = [bash_judge("r"), bash_judge("f1", placement="fork"), bash_judge("f2", "fork")]

@@ -271,7 +271,10 @@ async def test_file_verdicts_strict_and_never_through_a_link(
     ran did (JudgeInputsTampered); so is a FIFO."""
     p = prefix()
     fail = '{"passed": false, "score": 0}'
-    own_link = f"printf '%s' '{PASS}' > mine.json; ln -s \"$PWD/mine.json\" \"$VF_AGENT_VERDICT\""
+    # (the judge's own file in /tmp: a command that names the verdict runs as the judges'
+    # account where there is one, which does not change the policy's world)
+    mine = f"/tmp/{p}mine.json"
+    own_link = f"printf '%s' '{PASS}' > {mine}; ln -s {mine} \"$VF_AGENT_VERDICT\""
     scripts: dict[str, Sequence[ScriptItem]] = {
         f"{p}inf": writes('{"passed": true, "score": Infinity}'),
         f"{p}nan-ok": writes('{"passed": true, "spread": NaN}'),
@@ -292,18 +295,25 @@ async def test_file_verdicts_strict_and_never_through_a_link(
         )
         forged = await rt.exec(["sh", "-c", "ls -l /tmp/vf-agent 2>/dev/null; true"])
         assert await inputs_left(rt, p) == [], forged.stdout
+        # With a judges' account, the policy's program runs as the policy's account and
+        # cannot reach the verdict at all (prevented, not only detected).
+        separated = rt.judge_user is not None
     assert error_types(runs) == [
         "VerdictInvalid",
         None,
         "VerdictInvalid",
         "VerdictInvalid",
-        "JudgeInputsTampered",
+        None if separated else "JudgeInputsTampered",
     ], [r.error for r in runs]
     assert runs[1].verdict is not None and math.isnan(runs[1].verdict["spread"])
     assert "symlink" in (runs[2].error or "") and "special" in (runs[3].error or "")
     assert runs[4].trace is not None
-    assert "ran 2 tests" in runs[4].trace.turns[1].tool_results[0].output  # the link was made
-    assert all(r.verdict is None for i, r in enumerate(runs) if i != 1)
+    assert "ran 2 tests" in runs[4].trace.turns[1].tool_results[0].output  # the program ran
+    if separated:
+        assert runs[4].verdict == {"passed": False, "score": 0}, "the judge's own verdict"
+        assert "Permission denied" in runs[4].trace.turns[1].tool_results[0].output
+    kept = {1, 4} if separated else {1}
+    assert all(r.verdict is None for i, r in enumerate(runs) if i not in kept)
 
 
 def test_field_table_opt_in_is_for_number_fields_only() -> None:
@@ -314,16 +324,18 @@ def test_field_table_opt_in_is_for_number_fields_only() -> None:
 
 # ---------------------------------------------------------------------- item 5
 
-# A judge command that notes where its inputs are (in the workdir, so the test can check
-# they existed), leaves a detached process behind and takes a minute.
+# A judge command that notes where its inputs are (in /tmp, which the judges' account may
+# write, so the test can check they existed), leaves a detached process behind and takes a
+# minute.
 SLOW = (
-    'echo "$VF_AGENT_INPUTS" >> inputs-seen.txt; '
+    'echo "$VF_AGENT_INPUTS" >> "/tmp/inputs-seen-{mark}$(printf %s "$PWD" | tr / _).txt"; '
     "setsid sleep {mark} >/dev/null 2>&1 </dev/null & sleep 60"
 )
 
 
-async def inputs_seen(rt: Runtime) -> list[str]:
-    return (await rt.read("inputs-seen.txt")).decode().split()
+async def inputs_seen(rt: Runtime, mark: str) -> list[str]:
+    seen = f"/tmp/inputs-seen-{mark}{rt.workdir.replace('/', '_')}.txt"
+    return (await rt.read(seen)).decode().split()
 
 
 async def test_scoring_deadline_stops_every_judge_and_removes_its_inputs(
@@ -355,7 +367,7 @@ async def test_scoring_deadline_stops_every_judge_and_removes_its_inputs(
             on_done=lambda run: done.append(run.name),
         )
         took = time.monotonic() - started
-        assert await inputs_seen(rt) == [f"/tmp/vf-agent/{runs[1].agent_id}"]
+        assert await inputs_seen(rt, mark) == [f"/tmp/vf-agent/{runs[1].agent_id}"]
         assert await inputs_left(rt, p) == []
         assert await processes(rt, mark) == []
     assert 3 <= took < 20, took
@@ -384,7 +396,7 @@ async def test_cancelling_judging_cleans_up_then_propagates(
             )
             returned = True
         assert scope.cancelled_caught and not returned
-        [seen] = await inputs_seen(rt)
+        [seen] = await inputs_seen(rt, mark)
         assert seen.startswith(f"/tmp/vf-agent/{p}slow-")
         assert await inputs_left(rt, p) == []
         assert await processes(rt, mark) == []

@@ -40,6 +40,15 @@ ATTACKS = {
     10: "model relay abused by sandbox code",
     11: "shell session spoken for by sandbox code",
     12: "snapshot/fork of a hostile sandbox",
+    13: "policy code loaded by privileged machinery",
+    14: "judge hands the policy's program privilege",
+    15: "host resources through the model proxy",
+    16: "sampling chosen by the sandbox",
+    17: "transcript or judge prompt forged by output",
+    18: "malformed records or verdicts crash judging",
+    19: "policy acts with more privilege than meant",
+    20: "terminal control sequences in CLI output",
+    21: "fuzzed host parsers of sandbox bytes",
 }
 
 
@@ -83,8 +92,9 @@ def _target(request: pytest.FixtureRequest, name: str) -> Hostile:
         server: SSHServer = request.getfixturevalue("sshd")
         if name == "ssh-root":
             return Hostile(name, server.config(), "root")
-        # Root login for the machinery; the policy runs as the host's `sandbox` account.
-        config = server.config(policy_user="sandbox")
+        # Root login for the machinery; the policy runs as the host's `sandbox` account,
+        # judges' verdict-writing commands as its `judge` account.
+        config = server.config(policy_user="sandbox", judge_user="judge")
         return Hostile(name, config, "user", user="sandbox")
     if name in ("modal-fake", "modal-user"):
         request.getfixturevalue("fake_modal")

@@ -217,6 +217,14 @@ async def test_policys_program_relinks_or_rewrites_the_verdict(
     async with open_runtime(hostile.config) as rt:
         await plant_policy(rt, hostile, synchronous(judge, mode))
         runs, error = await judge_once(rt, bash_judge(judge), models)
+        if rt.judge_user is not None:
+            # Prevented: the program ran as the policy's account, which cannot reach the
+            # judge's inputs dir (the judge's verdict-writing command ran as the judge's).
+            assert "Permission denied" in tool_output(runs[0], 1), "control: it tried"
+            assert await forged(rt) == []
+            assert error is None, error
+            assert runs[0].verdict == {"passed": False}
+            return
         assert len(await forged(rt)) == 1, "control: the program did replace the verdict"
         assert runs[0].verdict is None, f"a forged verdict was accepted: {runs[0].verdict}"
         assert type(error) is PE.JudgeInputsTampered, repr(error)
@@ -232,6 +240,12 @@ async def test_judge_writes_nothing_while_the_policys_program_writes_a_verdict(
     async with open_runtime(hostile.config) as rt:
         await plant_policy(rt, hostile, synchronous(judge, "file"))
         runs, error = await judge_once(rt, bash_judge(judge), models)
+        if rt.judge_user is not None:  # prevented: see the test above
+            assert "Permission denied" in tool_output(runs[0], 0), "control: it tried"
+            assert await forged(rt) == []
+            assert runs[0].verdict is None
+            assert type(error) is PE.VerdictMissing, repr(error)
+            return
         assert len(await forged(rt)) == 1, "control: the program did write a verdict"
         assert runs[0].verdict is None, f"a forged verdict was accepted: {runs[0].verdict}"
         assert type(error) is PE.JudgeInputsTampered, repr(error)

@@ -115,16 +115,19 @@ def test_policy_user_is_a_plain_account_never_root() -> None:
 
 @pytest.mark.attack(2, 3, 4)
 @pytest.mark.parametrize("hostile", ["docker-user", "modal-user"], indirect=True)
-async def test_a_rollouts_policy_runs_as_the_policy_account_and_its_judge_as_root(
+async def test_a_rollouts_policy_runs_as_the_policy_account_and_its_judge_as_its_own(
     hostile: Hostile, scripted_models: ModelsFactory
 ) -> None:
     """A policy placed through ``run_agent(role="policy")`` (as ``AgentSession`` does)
-    runs its commands as ``policy_user`` without being told; the judge after it does not."""
+    runs its commands as ``policy_user`` without being told; the judge after it runs its
+    verdict-writing command as the judges' account and its other commands as the policy's,
+    never as root (docs/security.md, "Judges' own account")."""
     spy = "id -un > who; nohup sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 &"
+    verdict_who = f"id -un > /tmp/judge-who-verdict; {WRITE_FALSE}"
     models = scripted_models(
         {
             "actor": [bash_call(spy), reply("done")],
-            "j": [bash_call("id -un > /tmp/judge-who"), bash_call(WRITE_FALSE), reply("ok")],
+            "j": [bash_call("id -un > /tmp/judge-who"), bash_call(verdict_who), reply("ok")],
         }
     )
     async with open_runtime(hostile.config) as rt:
@@ -141,7 +144,9 @@ async def test_a_rollouts_policy_runs_as_the_policy_account_and_its_judge_as_roo
             runtime=rt,
         )
         assert judged.verdict == {"passed": False}
-        assert (await rt.read("/tmp/judge-who")).decode().strip() == "root"
+        assert (await rt.read("/tmp/judge-who")).decode().strip() == rt.policy_user
+        assert (await rt.read("/tmp/judge-who-verdict")).decode().strip() == rt.judge_user
+        assert rt.judge_user not in (None, "root", rt.policy_user)
 
 
 @pytest.mark.attack(2)

@@ -359,15 +359,6 @@ PLANT = {
 is ``/usr/bin/sh`` on bookworm, whose ``/bin`` links to ``/usr/bin``; a ``python3`` ahead of
 the image's on ``PATH``), and the log the fake keeps of its runs."""
 
-SH_NOT_DEFENDED = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "not defended: the guard's probes (placement/guard.py) and the inputs' preparation "
-        "(placement/inputs.py) run `sh -c` in the sandbox, so a root policy's /bin/sh forges "
-        "the verdict in the live sandbox and in a fork alike"
-    ),
-)
-
 
 async def _plant(rt: Runtime, binary: str) -> str:
     """The root policy replaces ``binary``; returns the fake's log (checked live)."""
@@ -382,19 +373,22 @@ async def _plant(rt: Runtime, binary: str) -> str:
 
 @pytest.mark.attack(2, 4, 12)
 @pytest.mark.parametrize("hostile", ["docker-root"], indirect=True)
-@pytest.mark.parametrize(
-    "binary", ["python3", pytest.param("sh", marks=SH_NOT_DEFENDED)], ids=["python3", "sh"]
-)
+@pytest.mark.parametrize("binary", ["python3", "sh"])
 @pytest.mark.parametrize("placement", ["rollout", "fork"])
+@pytest.mark.parametrize("accounts", ["default", "root-only"])
 async def test_a_binary_the_root_policy_replaced_never_forges_a_fork_judges_verdict(
-    hostile: Hostile, scripted_models: ModelsFactory, placement: str, binary: str
+    hostile: Hostile, scripted_models: ModelsFactory, placement: str, binary: str, accounts: str
 ) -> None:
     """A bash judge writes ``{"passed": false}``; the policy's ``python3`` or ``/bin/sh``
     writes ``{"passed": true}`` over it whenever it runs. The judge's own verdict or a typed
-    error, in the live sandbox (``rollout``) as in a fork."""
+    error, in the live sandbox (``rollout``) as in a fork. ``root-only``: the sandbox has no
+    policy account (``policy_user=None``), so no judges' account either: the judge runs as
+    root, and only the channel agent's own file operations stand between the policy's
+    programs and the verdict."""
     judge = name("bin")
     models = scripted_models({judge: [bash_call(WRITE_FAIL), reply("done")]})
-    async with open_runtime(hostile.config) as rt:
+    config = hostile.config if accounts == "default" else {**hostile.config, "policy_user": None}
+    async with open_runtime(config) as rt:
         await _plant(rt, binary)
         runs, error = await judge_once(rt, bash_judge(judge, placement=placement), models)
         assert runs[0].verdict != {"passed": True}, "a forged verdict was accepted"
@@ -407,24 +401,7 @@ AGENT_START = "vf-sandbox channel agent"
 
 @pytest.mark.attack(4, 12)
 @pytest.mark.parametrize("hostile", ["docker-root"], indirect=True)
-@pytest.mark.parametrize(
-    "binary",
-    [
-        "python3",
-        pytest.param(
-            "sh",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "not defended: a fork's first channel agent starts through `sh -c PROBE` "
-                    "(runtimes/channel/bootstrap.py agent_command), and a /bin/sh change does "
-                    "not mark the snapshot untrusted; the live sandbox's first agent started "
-                    "before the policy, and restarts run the pinned interpreter"
-                ),
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("binary", ["python3", "sh"])
 async def test_a_forks_channel_never_starts_through_a_binary_the_root_policy_replaced(
     hostile: Hostile, binary: str
 ) -> None:

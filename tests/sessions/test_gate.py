@@ -91,7 +91,8 @@ async def test_parked_request_is_answered_with_the_delivery(setup: Gated) -> Non
         tg.start_soon(agent)
         request = await setup.listener.next()
         assert request.messages == USER and request.tools == TOOLS
-        assert request.model == "policy" and request.params == {"temperature": 0.7}
+        # the sampling is the trainer's: the harness's temperature is dropped, and named
+        assert request.model == "policy" and request.params == {}
         assert request.turn == 0 and setup.gate.pending() == [request]
         request.messages.append({"role": "user", "content": "not the harness's"})
         completion = Completion(
@@ -122,6 +123,7 @@ async def test_parked_request_is_answered_with_the_delivery(setup: Gated) -> Non
     assert "logprobs" not in json.dumps(data)  # metadata stays with the caller
     turn = setup.trace.turns[0]
     assert turn.request_messages == USER  # the trace keeps what the harness sent
+    assert turn.dropped_params == ["temperature"]
     assert turn.status_code == 200 and turn.reply is not None
     assert turn.reply.tool_calls == [
         ToolCall(id="call_x", name="bash", arguments='{"command": "ls"}')

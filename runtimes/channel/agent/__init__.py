@@ -48,6 +48,12 @@ Requests (host -> agent):
   parents created, then ``DONE``.
 * ``STAT`` (``text path``): ``DONE`` with one byte, 1 if something is there (``lstat``: a
   dangling link exists). ``REMOVE`` (``text path``): a file, a link or a tree, then ``DONE``.
+* ``LSTAT`` (``u64 cap | text path``): ``DONE`` with ``u8 kind | u32 mode | u32 uid | u32 gid
+  | u32 links | u64 size | text link target | content`` (:mod:`.paths`): never follows a
+  link; a regular file's first cap + 1 bytes through ``O_NOFOLLOW``. ``MKDIR`` (``u32 mode |
+  i32 uid | i32 gid | text path``): one fresh directory in a parent that is no link, with
+  exactly that mode and owner, then ``DONE``. The judge machinery's probes use these instead
+  of ``sh``, ``stat`` and ``mkdir`` in the sandbox.
 * ``HALT`` (empty, at close): ``kill(-1, SIGSTOP)`` — every process the agent may signal but
   itself and PID 1, in one call the kernel makes atomic against ``fork`` — then SIGKILL to all
   but the keep-alive until ``/proc`` lists no other process but zombies (a signalled process
@@ -90,6 +96,7 @@ PARTS = (
     "sweep",
     "execute",
     "files",
+    "paths",
     "relay",
     "serve",
     "main",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .execute import Exec
 from .files import Read, Write
 from .output import Output, Refused
+from .paths import make_dir, path_info
 from .procs import container_command, kill_running
 from .relay import Listener
 from .sweep import Sweep, pids_limit
@@ -36,6 +37,8 @@ from .wire import (
     HELLO,
     KILL,
     LISTEN,
+    LSTAT,
+    MKDIR,
     R_ACK,
     R_CLOSE,
     R_DATA,
@@ -51,6 +54,7 @@ from .wire import (
     ExecHeader,
     Hello,
     ListenHeader,
+    MkdirHeader,
     PathHeader,
     ReadHeader,
     SweepHeader,
@@ -221,6 +225,10 @@ class Agent:
             self.submit(rid, self.stat, rid, PathHeader.from_wire(payload))
         elif kind == REMOVE:
             self.submit(rid, self.remove, rid, PathHeader.from_wire(payload))
+        elif kind == LSTAT:
+            self.submit(rid, self.lstat, rid, ReadHeader.from_wire(payload))
+        elif kind == MKDIR:
+            self.submit(rid, self.mkdir, rid, MkdirHeader.from_wire(payload))
         elif kind == HALT:
             self.halt(rid)
         elif kind == SWEEP:
@@ -308,6 +316,22 @@ class Agent:
                 return
             exists = False
         self.out.send(DONE, rid, b"\x01" if exists else b"\x00")
+
+    def lstat(self, rid: int, header: ReadHeader) -> None:
+        try:
+            info = path_info(header.path, header.limit)
+        except OSError as exc:
+            self.out.os_error(rid, exc)
+            return
+        self.out.send(DONE, rid, info.to_wire())
+
+    def mkdir(self, rid: int, header: MkdirHeader) -> None:
+        try:
+            make_dir(header)
+        except OSError as exc:
+            self.out.os_error(rid, exc)
+            return
+        self.out.send(DONE, rid)
 
     def remove(self, rid: int, header: PathHeader) -> None:
         path = header.path

@@ -60,14 +60,15 @@ def ancestors(pid: int) -> set[int]:
 class Sweep:
     """One SWEEP: which processes match is the script's rule for the mode (``all``: not in
     session 1; ``since:T``: started at tick T or later; ``mark``: carrying the mark, owned
-    by the user, or working in ``home``). The agent's session and ancestors are spared."""
+    by one of the users (comma-separated), or working in ``home``). The agent's session and
+    ancestors are spared."""
 
     def __init__(self, header: SweepHeader) -> None:
         self.mode = header.mode
         self.since = int(header.mode[6:]) if header.mode.startswith("since:") else None
         self.mark = header.mark.encode("utf-8", "surrogateescape")
         self.home = header.home
-        self.uid = user_id(header.user)
+        self.uids = {u for u in map(user_id, header.user.split(",")) if u is not None}
         self.session = os.getsid(0)
         self.kept = ancestors(os.getpid())
         self.seen: set[int] = set()
@@ -144,13 +145,13 @@ class Sweep:
         return self.owned_by_user(pid) or self.works_in_home(pid) or self.carries_mark(pid)
 
     def owned_by_user(self, pid: int) -> bool:
-        if self.uid is None:
+        if not self.uids:
             return False
         try:
             with open(f"/proc/{pid}/status") as handle:
                 for line in handle:
                     if line.startswith("Uid:"):
-                        return int(line.split()[1]) == self.uid
+                        return int(line.split()[1]) in self.uids
         except (OSError, ValueError, IndexError):
             pass
         return False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hmac
 import struct
 
-VERSION = 4
+VERSION = 5
 
 HEADER = struct.Struct(">BII")
 """Every frame: ``type (u8) | request id (u32) | payload length (u32)``, then the payload,
@@ -51,6 +51,14 @@ agent may signal but itself and PID 1; ``DONE`` once none runs any more."""
 SWEEP = 11
 """Host -> agent (``SweepHeader``): ``stop_processes()`` without forking: freeze, then kill
 the matching processes, as ``scripts/sweep.sh`` does, then ``DONE`` (``u32`` killed)."""
+LSTAT = 12
+"""Host -> agent (``ReadHeader``): what is at a path, never following a link there
+(``lstat``), and a regular file's first bytes up to the cap, read through ``O_NOFOLLOW``;
+``DONE`` with a ``PathInfo``. The judge machinery's probes use it instead of ``sh``, ``stat``
+and ``head``, which a root policy may have replaced."""
+MKDIR = 13
+"""Host -> agent (``MkdirHeader``): make one fresh directory (its parent a real directory,
+never a link), with exactly this mode and owner; ``DONE``."""
 OPENED = 75
 R_DATA, R_ACK, R_EOF, R_CLOSE = 32, 33, 34, 35
 RELAY_KINDS = frozenset((OPENED, R_DATA, R_ACK, R_EOF, R_CLOSE))
@@ -194,6 +202,74 @@ class WriteHeader:
         fields = Fields(data)
         flags = fields.number(U8)
         return cls(fields.text(), bool(flags & COMPLETE))
+
+
+KINDS = ("absent", "file", "directory", "symlink", "other")
+"""``PathInfo`` kinds, by their number on the wire."""
+
+
+class PathInfo:
+    """LSTAT's answer: ``u8 kind | u32 mode | u32 uid | u32 gid | u32 links | u64 size |
+    text link target | content`` (the rest: a regular file's bytes, at most cap + 1)."""
+
+    FIXED = struct.Struct(">BIIIIQ")
+
+    def __init__(
+        self,
+        kind: str,
+        mode: int = 0,
+        uid: int = 0,
+        gid: int = 0,
+        links: int = 0,
+        size: int = 0,
+        target: str = "",
+        content: bytes = b"",
+    ) -> None:
+        self.kind = kind
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.links = links
+        self.size = size
+        self.target = target
+        self.content = content
+
+    def to_wire(self) -> bytes:
+        fixed = self.FIXED.pack(
+            KINDS.index(self.kind), self.mode, self.uid, self.gid, self.links, self.size
+        )
+        return fixed + text(self.target) + self.content
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> PathInfo:
+        kind, mode, uid, gid, links, size = cls.FIXED.unpack_from(data, 0)
+        fields = Fields(data)
+        fields.pos = cls.FIXED.size
+        target = fields.text()
+        if kind >= len(KINDS) or fields.pos > len(data):
+            raise ValueError("malformed path info")
+        return cls(KINDS[kind], mode, uid, gid, links, size, target, data[fields.pos :])
+
+
+class MkdirHeader:
+    """MKDIR: ``u32 mode | i32 uid | i32 gid | text path`` (-1: the agent's own)."""
+
+    def __init__(self, path: str, mode: int, uid: int = -1, gid: int = -1) -> None:
+        self.path = path
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+
+    def to_wire(self) -> bytes:
+        return U32.pack(self.mode) + I32.pack(self.uid) + I32.pack(self.gid) + text(self.path)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> MkdirHeader:
+        fields = Fields(data)
+        mode = fields.number(U32)
+        uid = fields.number(I32)
+        gid = fields.number(I32)
+        return cls(fields.text(), mode, uid, gid)
 
 
 class ReadHeader:
