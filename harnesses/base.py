@@ -418,29 +418,38 @@ def for_policy(harness: Harness, runtime: Runtime) -> Harness:
             commands (``needs_runtime``) but has no ``user`` setting: its commands would run
             as the sandbox's default user (root), with more privilege than the policy has.
     """
-    user = runtime.policy_user
-    settable = "user" in type(harness.config).model_fields
-    if user is not None and harness.needs_runtime and not settable:
-        raise HarnessConfigError(
-            f"the {harness.id!r} harness has no 'user' setting, so its commands cannot run as "
-            f"the policy account {user!r}: add a 'user' field to its config, or set "
-            "policy_user=None in the runtime config to run the policy as the default user"
-        )
-    return run_as(harness, user)
+    return run_as(harness, runtime.policy_user, "the policy account")
 
 
 def for_judge(harness: Harness, runtime: Runtime) -> Harness:
     """The harness that runs a judge in ``runtime``: its commands run as the runtime's
     :attr:`~runtimes.base.Runtime.judge_user` where there is one (the judges' own account:
-    neither root nor the policy's), as :func:`for_policy` does for the policy."""
-    return run_as(harness, runtime.judge_user)
+    neither root nor the policy's), as :func:`for_policy` does for the policy.
+
+    Raises:
+        HarnessConfigError: as :func:`for_policy`, for the judges' account.
+    """
+    return run_as(harness, runtime.judge_user, "the judges' account")
 
 
-def run_as(harness: Harness, user: str | None) -> Harness:
-    """``harness`` with its commands run as ``user``, unless ``user`` is ``None``, the
-    harness has no ``user`` setting, or the caller set one (which wins)."""
+def run_as(harness: Harness, user: str | None, account: str = "the account") -> Harness:
+    """``harness`` with its commands run as ``user``, unless ``user`` is ``None`` or the
+    caller set one (which wins).
+
+    Raises:
+        HarnessConfigError: ``user`` is given and the harness runs commands
+            (``needs_runtime``) but has no ``user`` setting: its commands would run as the
+            sandbox's default user (root), with more privilege than ``account`` has.
+    """
     config = harness.config
-    if user is None or getattr(config, "user", None) or "user" not in type(config).model_fields:
+    settable = "user" in type(config).model_fields
+    if user is not None and harness.needs_runtime and not settable:
+        raise HarnessConfigError(
+            f"the {harness.id!r} harness has no 'user' setting, so its commands cannot run as "
+            f"{account} {user!r}: add a 'user' field to its config, or set policy_user=None "
+            "in the runtime config to run the policy (and judges) as the default user"
+        )
+    if user is None or not settable or getattr(config, "user", None):
         return harness
     return type(harness)(config.model_copy(update={"user": user}))
 

@@ -36,7 +36,6 @@ from harnesses.base import ToolResult, Trace
 from runtimes import (
     OutputLimitExceededError,
     Runtime,
-    SandboxError,
     SandboxFileNotFoundError,
     SandboxInvalidArgumentError,
     SandboxIsADirectoryError,
@@ -250,12 +249,22 @@ class VerdictGuard:
         )
 
     async def _resolves(self) -> bool:
-        """Whether the verdict's symlink leads to something (nothing of it is read)."""
+        """Whether the verdict's symlink leads to something (nothing of it is read: a cap of
+        0 bytes; a directory, a FIFO or an unreadable file there still resolves).
+
+        Raises:
+            SandboxError: the sandbox failed.
+        """
         try:
             await self.runtime.read(self.path, max_bytes=0)
         except SandboxFileNotFoundError:
             return False
-        except (SandboxError, OSError):
+        except (
+            OutputLimitExceededError,
+            SandboxPermissionError,
+            SandboxIsADirectoryError,
+            SandboxInvalidArgumentError,
+        ):
             return True
         return True
 

@@ -51,6 +51,7 @@ from .errors import (
 )
 from .keep import Keeping, announce_kept
 from .lifecycle import State, live_runtimes
+from .machinery import run_machinery
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo, Stream
 from .policy import DEFAULT_JUDGE_USER, JUDGE_UID, PolicyAccount
 from .primitives import Primitives
@@ -312,7 +313,7 @@ class Runtime(Primitives, Keeping):
             ProvisioningError: the account could not be made.
         """
         if self.judge_user is not None:
-            await self.exec(["true"], user=self.judge_user, timeout=60, cwd="/")
+            await run_machinery(self, ["true"], user=self.judge_user, timeout=60)
         return self.judge_user
 
     async def prepare_policy_user(self) -> str | None:
@@ -324,7 +325,7 @@ class Runtime(Primitives, Keeping):
             ProvisioningError: the account could not be made.
         """
         if self.policy_user is not None:
-            await self.exec(["true"], user=self.policy_user, timeout=60)
+            await run_machinery(self, ["true"], user=self.policy_user, timeout=60)
         return self.policy_user
 
     async def alive(self) -> bool:
@@ -567,8 +568,9 @@ class Runtime(Primitives, Keeping):
         directory (a link there is refused). Nothing may be at ``path`` yet.
 
         Raises:
-            SandboxError: something is at ``path`` already, or its parent is a link or
-                missing (typed by errno where it has a class).
+            SandboxFileExistsError: something (a dangling link included) is at ``path``.
+            SandboxError: its parent is a link or missing (typed by errno where it has a
+                class: ``SandboxNotADirectoryError``, ``SandboxFileNotFoundError``).
             SandboxPermissionError: not allowed.
             SandboxInvalidArgumentError: a malformed path.
         """

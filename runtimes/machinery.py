@@ -35,9 +35,12 @@ program in a sandbox, with its account, cwd, interpreter and ``PATH``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from .base import Runtime
 from .models import ExecResult
+
+if TYPE_CHECKING:  # runtimes.base uses this module
+    from .base import Runtime
 
 __all__ = [
     "MACHINERY_CWD",

@@ -46,6 +46,7 @@ from ..errors import (
     cannot_run_as,
 )
 from ..limits import creation_rate
+from ..machinery import run_machinery
 from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..reaper import remove_in_background, wait_for_removals, wait_for_removals_blocking
 from ..routes import HostRoute, RouteKind
@@ -386,7 +387,7 @@ class DockerRuntime(Runtime):
             HostRouteError: no default route, or the gateway is not this host's (a remote
                 engine).
         """
-        table = await self.exec(["cat", "/proc/net/route"], timeout=30)
+        table = await run_machinery(self, ["cat", "/proc/net/route"], timeout=30)
         gateway = gateway_from_route_table(table.stdout) if table.exit_code == 0 else None
         if gateway is None:
             raise HostRouteError(

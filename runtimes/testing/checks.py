@@ -161,4 +161,11 @@ class CheckOutcome:
 
 
 # Registering the checks, in the order they run: exec, then files and the lifecycle.
-from . import exec_checks, file_checks, shell_checks, stdin_checks, stream_checks  # noqa: E402, F401
+from . import (  # noqa: E402, F401
+    exec_checks,
+    file_checks,
+    path_checks,
+    shell_checks,
+    stdin_checks,
+    stream_checks,
+)

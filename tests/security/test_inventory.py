@@ -37,8 +37,8 @@ CALLS = frozenset(
         "execve",  # the shell driver becoming bash
     }
 )
-"""Names whose call (or, for ``exec``, whose bound method handed to a caller) starts a
-program in a sandbox."""
+"""Names whose call (or whose bound method handed to a helper) starts a program in a
+sandbox."""
 
 QUALIFIED = frozenset({("containers", "create"), ("Sandbox", "create")})
 """``X.create`` calls that start a sandbox's first process (its keep-alive command)."""
@@ -65,9 +65,8 @@ def sites_in(text: str, module: str) -> Iterator[tuple[str, str]]:
                 yield from visit(child, (*scope, child.name))
                 continue
             if isinstance(child, ast.Call):
-                handed = [
-                    a for a in child.args if isinstance(a, ast.Attribute) and a.attr == "exec"
-                ]
+                # a bound method handed to a helper that calls it: `_call(sandbox.exec, ...)`
+                handed = [a for a in child.args if isinstance(a, ast.Attribute) and _hit(a)]
                 if _hit(child.func) or handed:
                     yield module, ".".join(scope) or "<module>"
             yield from visit(child, scope)

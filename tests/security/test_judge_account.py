@@ -15,6 +15,9 @@ import hashlib
 
 import pytest
 
+from harnesses.base import for_judge
+from harnesses.errors import HarnessConfigError
+from harnesses.registry import open_harness
 from harnesses.scripted import bash_call, reply
 from placement import errors as PE
 from runtimes import Runtime, open_runtime
@@ -31,6 +34,7 @@ from .test_judges import (
     tool_output,
 )
 from .test_judges import scripted_models as scripted_models
+from .test_policy_privilege import NoUserSetting
 
 pytestmark = pytest.mark.anyio
 
@@ -212,3 +216,18 @@ async def test_code_a_root_policy_makes_every_judge_program_load_refuses_the_jud
         assert runs[0].verdict is None
         assert type(error) is PE.JudgeInputsTampered, repr(error)
         assert plant in str(error)
+
+
+@pytest.mark.attack(14)
+@pytest.mark.parametrize("hostile", ["docker-user"], indirect=True)
+async def test_a_judge_harness_that_cannot_be_told_its_account_is_refused(hostile: Hostile) -> None:
+    """``for_judge`` gives every built-in harness that runs commands the judges' account, and
+    refuses a plugin harness with no ``user`` setting (it would run the policy's programs as
+    root), as ``for_policy`` does for the policy."""
+    async with open_runtime(hostile.config) as rt:
+        for spec in ({"id": "bash"}, {"id": "mini-swe-agent"}):
+            placed = for_judge(open_harness(spec), rt)
+            assert getattr(placed.config, "user", None) == rt.judge_user, spec
+        with pytest.raises(HarnessConfigError, match="judges' account"):
+            for_judge(NoUserSetting(), rt)
+        assert for_judge(open_harness("null"), rt).config.id == "null"  # runs no command
