@@ -10,16 +10,13 @@ The host wheelhouse is downloaded from the package index once and cached
 
 from __future__ import annotations
 
-import io
-import tarfile
 import time
 import types
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
-import docker
 import pytest
 
 import harnesses.installed
@@ -29,7 +26,7 @@ from harnesses.proxy import ProxyRoute
 from harnesses.scripted import bash_call, http_error
 from runtimes import Runtime, SandboxError, open_runtime
 from tests.modal.support import fake_config, fake_modal, fake_service  # noqa: F401 - fixtures
-from tests.ssh.sshd import SSHServer, image_present
+from tests.ssh.sshd import SSHServer, image_present, venv_part_mounts
 
 from .conftest import ScriptedFactory
 
@@ -123,11 +120,6 @@ async def test_upstream_error_is_passed_to_mini_and_typed(
 
 # ---------------------------------------------------------------------- other backends
 
-VENV_PARTS = ("/usr/lib/python3.11/ensurepip", "/usr/share/python-wheels")
-"""What ``python3 -m venv`` needs and the SSH test image lacks (Debian's ``python3-venv``,
-``python3-pip-whl``): copied out of ``vf-sandbox/python`` (same base, same interpreter) and
-mounted read-only into the SSH test host, so the harness can make its venv there offline."""
-
 
 @pytest.fixture
 def routes_taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -145,21 +137,9 @@ def routes_taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.fixture
-def venv_parts(tmp_path: Path) -> Iterator[list[tuple[str, str, str]]]:
+def venv_parts(tmp_path: Path) -> list[tuple[str, str, str]]:
     """Volume mappings giving the SSH test host ``ensurepip`` and pip's wheel."""
-    client = docker.from_env()
-    container = client.containers.create("vf-sandbox/python:latest", ["true"])
-    mounts = []
-    try:
-        for part in VENV_PARTS:
-            stream, _ = container.get_archive(part)
-            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
-                tar.extractall(tmp_path, filter="data")
-            mounts.append((str(tmp_path / Path(part).name), part, "ro"))
-    finally:
-        container.remove(force=True)
-        client.close()
-    yield mounts
+    return venv_part_mounts(tmp_path)
 
 
 async def completes_and_keeps_to_its_budget(

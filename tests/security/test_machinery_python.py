@@ -19,14 +19,11 @@ against the wheels' ``RECORD``, never a fingerprint of the changed tree.
 
 from __future__ import annotations
 
-import io
 import secrets
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-import docker
 import pytest
 
 from harnesses.base import Budget, Trace
@@ -38,14 +35,13 @@ from runtimes.machinery import MACHINERY_PATH
 from tests.harnesses.conftest import ScriptedFactory
 from tests.harnesses.conftest import scripted as scripted
 from tests.harnesses.test_installed import TinyConfig, TinyHarness, build_tiny_wheel
-from tests.ssh.sshd import SSHServer, image_present
+from tests.ssh.sshd import SSHServer, image_present, venv_part_mounts
 
 from .conftest import Hostile
 
 pytestmark = pytest.mark.anyio
 
 TARGETS = ["docker-root", "docker-user", "ssh-root", "ssh-user", "modal-fake", "modal-user"]
-VENV_PARTS = ("/usr/lib/python3.11/ensurepip", "/usr/share/python-wheels")
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +49,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHServer]:
     """The SSH test host, with what ``python3 -m venv`` needs (Debian's ``python3-venv``)
     copied out of ``vf-sandbox/python`` (same base, same interpreter) and mounted read-only."""
     assert image_present(), "vf-sandbox/sshd is missing: build it with `make images`"
-    parts = tmp_path_factory.mktemp("venv-parts")
-    client = docker.from_env()
-    container = client.containers.create("vf-sandbox/python:latest", ["true"])
-    mounts = []
-    try:
-        for part in VENV_PARTS:
-            stream, _ = container.get_archive(part)
-            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
-                tar.extractall(parts, filter="data")
-            mounts.append((str(parts / Path(part).name), part, "ro"))
-    finally:
-        container.remove(force=True)
-        client.close()
+    mounts = venv_part_mounts(tmp_path_factory.mktemp("venv-parts"))
     with SSHServer(tmp_path_factory.mktemp("sshd"), volumes=mounts) as server:
         yield server
 

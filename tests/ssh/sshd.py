@@ -51,6 +51,35 @@ def docker_unavailable_reason() -> str | None:
     return None
 
 
+VENV_PARTS = ("/usr/lib/python3.11/ensurepip", "/usr/share/python-wheels")
+"""What ``python3 -m venv`` needs and the SSH test image lacks (Debian's ``python3-venv``,
+``python3-pip-whl``)."""
+
+
+def venv_part_mounts(dest: Path) -> list[tuple[str, str, str]]:
+    """Volume mappings that give the SSH test host :data:`VENV_PARTS`: copied out of
+    ``vf-sandbox/python`` (same base, same interpreter) into ``dest``, to mount read-only, so
+    a harness can make its venv there offline."""
+    import io
+    import tarfile
+
+    import docker
+
+    client = docker.from_env()
+    container = client.containers.create("vf-sandbox/python:latest", ["true"])
+    mounts = []
+    try:
+        for part in VENV_PARTS:
+            stream, _ = container.get_archive(part)
+            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+                tar.extractall(dest, filter="data")
+            mounts.append((str(dest / Path(part).name), part, "ro"))
+    finally:
+        container.remove(force=True)
+        client.close()
+    return mounts
+
+
 def image_present() -> bool:
     import docker
 
