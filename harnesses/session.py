@@ -103,6 +103,7 @@ __all__ = [
     "VerifyContext",
     "VerifyFn",
     "call",
+    "run_verify",
 ]
 
 log = logging.getLogger("harnesses.session")
@@ -678,25 +679,7 @@ class AgentSession:
         assert self._runtime is not None
         trace = self._trace or self.gate_trace
         context = VerifyContext(self.rollout_id, self.task, self._runtime, trace, self.record())
-        limit = self._options.verify_timeout
-        try:
-            with anyio.move_on_after(math.inf if limit is None else limit) as scope:
-                result = await verify(context)
-        except SessionError:
-            raise
-        except (SandboxUnavailableError, SandboxTransportError) as exc:
-            raise SessionSandboxLost(
-                f"the sandbox failed while verifying: {exc}", rollout_id=self.rollout_id
-            ) from exc
-        except Exception as exc:
-            raise SessionVerifyError(
-                f"verification failed: {type(exc).__name__}: {exc}", rollout_id=self.rollout_id
-            ) from exc
-        if scope.cancelled_caught:
-            raise SessionVerifyError(
-                f"verification took longer than {limit}s", rollout_id=self.rollout_id
-            )
-        return result if isinstance(result, Verification) else Verification(reward=float(result))
+        return await run_verify(verify, context, self._options.verify_timeout)
 
     def _abandon(self) -> None:
         """Unregister from the proxy and refuse calls (idempotent; no sandbox involved)."""
@@ -938,6 +921,36 @@ async def _close_logging(session: AgentSession) -> None:
         await session.close()
     except Exception as exc:  # noqa: BLE001 - logged; the factory closes the others regardless
         log.warning("closing rollout %r failed: %r", session.rollout_id, exc)
+
+
+async def run_verify(
+    verify: VerifyFn, context: VerifyContext, timeout: float | None = None
+) -> Verification:
+    """``verify(context)`` within ``timeout`` seconds, its failures typed: what a session's
+    :meth:`AgentSession.verify` runs, and what trainer adapters run on a sandbox of their own.
+
+    Raises:
+        SessionVerifyError: the function failed (cause chained) or took longer than ``timeout``.
+        SessionSandboxLost: the sandbox died or its channel failed while verifying.
+        SessionError: one the function raised itself, as it is.
+    """
+    rollout_id = context.rollout_id
+    try:
+        with anyio.move_on_after(math.inf if timeout is None else timeout) as scope:
+            result = await verify(context)
+    except SessionError:
+        raise
+    except (SandboxUnavailableError, SandboxTransportError) as exc:
+        raise SessionSandboxLost(
+            f"the sandbox failed while verifying: {exc}", rollout_id=rollout_id
+        ) from exc
+    except Exception as exc:
+        raise SessionVerifyError(
+            f"verification failed: {type(exc).__name__}: {exc}", rollout_id=rollout_id
+        ) from exc
+    if scope.cancelled_caught:
+        raise SessionVerifyError(f"verification took longer than {timeout}s", rollout_id=rollout_id)
+    return result if isinstance(result, Verification) else Verification(reward=float(result))
 
 
 # ---------------------------------------------------------------------- sync wrappers

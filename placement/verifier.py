@@ -24,19 +24,20 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from harnesses.errors import SessionSandboxLost, SessionVerifyError
 from harnesses.llm import ModelEndpoint, ModelTable
 from harnesses.session import Verification, VerifyContext
-from runtimes.errors import SandboxError
+from runtimes.errors import ExecTimeoutError, SandboxError
+from runtimes.machinery import machinery_env
 from runtimes.pool import RuntimePool
 
 from .errors import JudgeSandboxLost, JudgingFailed, PlacementError
 from .run import AgentRun, JudgesHook, run_judges, select_judges
 from .specs import JudgeSpec
 
-__all__ = ["JudgeVerifier", "RewardFn", "verdict_reward"]
+__all__ = ["CommandCheck", "JudgeVerifier", "RewardFn", "verdict_reward"]
 
 RewardFn = Callable[[Sequence[AgentRun]], float]
 """Turns the judges' runs (verdicts validated) into one reward."""
@@ -166,3 +167,77 @@ def _details(runs: Sequence[AgentRun], judged: bool) -> dict[str, Any]:
         "verdicts": {run.name: run.verdict for run in runs},
         "judges": [run.model_dump(mode="json", exclude={"trace"}) for run in runs],
     }
+
+
+CheckCommand = str | Sequence[str]
+
+
+class CommandCheck:
+    """A session ``verify`` function that runs a check command in the live sandbox.
+
+    The reward is the command's exit status (``reward="exit_code"``: 0 gives 1.0, anything
+    else 0.0) or the number it prints (``reward="stdout"``: the last line, a finite float).
+    ``command`` is a shell string (run by ``bash -c``), an argv list, or a function of the
+    task giving one (``lambda task: task["check"]``).
+
+    What a policy left cannot forge it: first every process the rollout left running is
+    stopped (:meth:`~runtimes.base.Runtime.stop_processes`), so no racer rewrites what the
+    check reads while it runs; then the command runs as the policy's account (never with
+    more privilege than the policy had), in the workdir, with the machinery's fixed
+    ``PATH`` and no shell start-up files (:func:`runtimes.machinery.machinery_env`). The
+    workdir is the world being judged: what the check reads there is the policy's work.
+    Use judges (:class:`JudgeVerifier`, ``fork`` or clean-room placement) for more.
+
+    A check that runs past ``timeout`` scores 0.0 (the policy's program hung). A check whose
+    output is not a number is :class:`~harnesses.errors.SessionVerifyError`, a dead sandbox
+    :class:`~harnesses.errors.SessionSandboxLost`: no reward at all.
+    """
+
+    def __init__(
+        self,
+        command: CheckCommand | Callable[[dict[str, Any]], CheckCommand],
+        *,
+        reward: Literal["exit_code", "stdout"] = "exit_code",
+        timeout: float = 120.0,
+        output_limit: int = 65_536,
+    ):
+        self.command = command
+        self.reward = reward
+        self.timeout = timeout
+        self.output_limit = output_limit
+
+    async def __call__(self, context: VerifyContext) -> Verification:
+        """Raises: SessionVerifyError (an unusable command or output), SessionSandboxLost."""
+        command = self.command(context.task) if callable(self.command) else self.command
+        argv = ["bash", "-c", command] if isinstance(command, str) else list(command)
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise SessionVerifyError(f"the check command is not a string or argv: {command!r}")
+        runtime = context.runtime
+        await runtime.stop_processes()
+        try:
+            result = await runtime.exec(
+                argv,
+                timeout=self.timeout,
+                user=runtime.policy_user,
+                env=machinery_env(),
+                output_limit=self.output_limit,
+            )
+        except ExecTimeoutError:
+            return Verification(reward=0.0, details={"check": "timed out", "timeout": self.timeout})
+        details: dict[str, Any] = {
+            "check_exit_code": result.exit_code,
+            "check_output": (result.stdout + result.stderr)[-2000:],
+        }
+        if self.reward == "exit_code":
+            return Verification(reward=1.0 if result.exit_code == 0 else 0.0, details=details)
+        lines = result.stdout.strip().splitlines()
+        try:
+            value = float(lines[-1]) if lines else math.nan
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise SessionVerifyError(
+                f"the check printed no finite number on its last line "
+                f"(exit code {result.exit_code}): {result.stdout[-200:]!r}"
+            )
+        return Verification(reward=value, details=details)
