@@ -44,7 +44,7 @@ from .errors import (
     SessionGenerateError,
     SessionProtocolError,
 )
-from .gate import Completion, InterceptedRequest
+from .gate import Completion
 from .llm import ChatClient, Message, ModelEndpoint, parse_chat_completion
 from .session import AgentSession, AgentSessionFactory, RolloutRecord, Verification
 
@@ -54,6 +54,7 @@ __all__ = [
     "RolloutResult",
     "RolloutTask",
     "TrainingSample",
+    "answer_requests",
     "build_sample",
     "completion_from_response",
     "run_rollouts",
@@ -331,22 +332,38 @@ class _Driver:
         return result
 
     async def _answer_all(self, session: AgentSession) -> None:
-        while (request := await session.next_request(self._timeout)) is not None:
-            completion = await self._one_turn(session.rollout_id, request)
-            await session.deliver(request, completion)
+        await answer_requests(session, self._generate, self._sampling, self._timeout)
 
-    async def _one_turn(
-        self, rollout_id: str, request: InterceptedRequest
-    ) -> Completion | str | Mapping[str, Any]:
-        sampling = {**request.params, **self._sampling}
+
+async def answer_requests(
+    session: AgentSession,
+    generate: GenerateFn,
+    sampling: Mapping[str, Any] | None = None,
+    request_timeout: float | None = None,
+) -> None:
+    """Answer every model call of ``session`` with ``generate`` until its agent exits: what
+    :func:`run_rollouts` does for each rollout, and what a loop-owning adapter runs on its own.
+    ``sampling`` overrides each request's own ``params``.
+
+    Raises:
+        SessionGenerateError: ``generate`` failed (the cause chained).
+        What :meth:`AgentSession.next_request` / :meth:`AgentSession.deliver` raise.
+    """
+    overrides = dict(sampling or {})
+    while (request := await session.next_request(request_timeout)) is not None:
         try:
-            return await self._generate(
-                rollout_id, request.turn, request.messages, request.tools, sampling
+            completion = await generate(
+                session.rollout_id,
+                request.turn,
+                request.messages,
+                request.tools,
+                {**request.params, **overrides},
             )
         except Exception as exc:  # the trainer's own function: any failure fails this rollout
             raise SessionGenerateError(
-                f"generate failed for turn {request.turn}: {exc}", rollout_id=rollout_id
+                f"generate failed for turn {request.turn}: {exc}", rollout_id=session.rollout_id
             ) from exc
+        await session.deliver(request, completion)
 
 
 def _fail(result: RolloutResult, exc: SessionError | SandboxError) -> None:

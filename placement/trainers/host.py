@@ -116,7 +116,7 @@ class SandboxHost:
             for context in reversed(contexts):
                 try:
                     context.exit()
-                except Exception:  # noqa: BLE001 - logged; the pool and the loop still close
+                except Exception:  # logged; the pool and the loop still close
                     log.warning("leaving a context held on the sandbox host failed", exc_info=True)
             if held is not None:
                 held.exit()
