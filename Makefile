@@ -37,6 +37,8 @@ SRC_DIRS := runtimes harnesses placement
 LINT_DIRS := $(SRC_DIRS) tests benchmarks
 IMAGES_FLAGS := $(if $(filter 1 yes true,$(FORCE)),--force,)
 PYTEST_ARGS ?=
+# The extras that bring torch ([trl], and [all] through it) get it pinned to the CPU build on disk.
+TORCH_PIN := $(if $(filter all trl,$(subst $(comma), ,$(DEMO_EXTRAS))),'torch==2.13.0',)
 
 .PHONY: help venv install install-run engine compose bench-compose images shellcheck lint typecheck test demo bench clean distclean
 
@@ -69,7 +71,9 @@ install-run: $(RUN_STAMP)
 # Re-run when the project's or a test plugin's pyproject.toml changes.
 $(STAMP): pyproject.toml $(PLUGIN_PYPROJECTS) | $(VENV_PY)
 	@$(call step,installing the dev set: vf-sandbox[test] + the test plugins under tests/plugins)
-	$(PIP_INSTALL) -e '.[test]' $(foreach d,$(PLUGIN_DIRS),-e ./$(d))
+	# torch pinned: pip takes 2.13.0's CPU build from this machine's disk (a bare `torch`, which
+	# the [trl] extra names, would pull several GB of CUDA wheels); the extra then finds it satisfied.
+	$(PIP_INSTALL) 'torch==2.13.0' -e '.[test]' $(foreach d,$(PLUGIN_DIRS),-e ./$(d))
 	touch $@
 
 # An up-to-date dev set already holds the run set: then nothing is installed.
@@ -78,7 +82,7 @@ $(RUN_STAMP): pyproject.toml | $(VENV_PY)
 	  $(call step,the dev set in $(VENV) already holds vf-sandbox[$(DEMO_EXTRAS)])
 	else
 	  $(call step,installing vf-sandbox[$(DEMO_EXTRAS)] into $(VENV))
-	  $(PIP_INSTALL) -e '.[$(DEMO_EXTRAS)]'
+	  $(PIP_INSTALL) $(TORCH_PIN) -e '.[$(DEMO_EXTRAS)]'
 	fi
 	touch $@
 
