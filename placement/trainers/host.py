@@ -33,11 +33,13 @@ from runtimes.pool import RuntimePool
 from runtimes.portal import HeldContext, PortalThread, call_through
 from runtimes.registry import open_runtime, resolve_runtime_config
 
-__all__ = ["SandboxHost"]
+__all__ = ["RuntimeSpec", "SandboxHost"]
 
 log = logging.getLogger("placement.trainers")
 
 T = TypeVar("T")
+RuntimeSpec = RuntimeConfig | Mapping[str, Any] | str
+"""A runtime config as every adapter takes it: a model, a dict or a type name."""
 
 
 class SandboxHost:

@@ -19,7 +19,7 @@ from harnesses.session import (
     SyncAgentSession,
     call,
 )
-from runtimes import live_runtimes
+from runtimes import Runtime, live_runtimes
 from runtimes.reaper import wait_for_removals_blocking
 
 PYTHON_IMAGE = "vf-sandbox/python:latest"
@@ -131,7 +131,11 @@ async def sandbox_processes(session: AgentSession, marker: str) -> list[str]:
 async def kill_sandbox(session: AgentSession) -> None:
     """The session's sandbox dies: its container is killed (Docker), or the local sandbox
     is closed under it (subprocess, which has nothing else to die)."""
-    runtime = session.runtime
+    await kill_runtime(session.runtime)
+
+
+async def kill_runtime(runtime: Runtime) -> None:
+    """The sandbox dies: its container is killed (Docker), or it is closed (subprocess)."""
     if runtime.config.type != "docker":
         await runtime.close()
         return

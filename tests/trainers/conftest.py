@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from . import tiny_model
+
+# One intra-op thread: the model is tiny, and on a loaded 2-core machine OpenMP's spinning
+# threads made a 0.03 s forward-backward take up to 2 s (measured while Docker and a second
+# process ran). One thread runs it in 0.02-0.04 s whatever else runs.
+torch.set_num_threads(1)
 
 PYTHON_IMAGE = "vf-sandbox/python:latest"
 SUBPROCESS = {"type": "subprocess"}

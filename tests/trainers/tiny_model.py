@@ -20,8 +20,19 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl.chat_template_utils import qwen3_chat_template
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-           "<tool_response>", "</tool_response>", "<think>", "</think>", "<tools>", "</tools>"]
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<tools>",
+    "</tools>",
+]
 
 ANSWERS = ["1", "2", "3", "4"]
 """The tool calls :func:`prime` teaches: ``echo N > answer.txt`` for each N."""
@@ -57,12 +68,15 @@ def build_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=SPECIAL,
+        vocab_size=600,
+        special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(_CORPUS * 4, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL[1:],
     )
     tokenizer.chat_template = qwen3_chat_template
@@ -74,10 +88,17 @@ def build_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
 def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
     )
     return LlamaForCausalLM(config)
 
@@ -91,8 +112,11 @@ def prompt_ids(
     message) with ``tools`` (OpenAI tool dicts or Python callables)."""
     messages = list(messages) if messages else [{"role": "user", "content": TASK}]
     ids = tokenizer.apply_chat_template(
-        messages, tools=list(tools) if tools else None, add_generation_prompt=True,
-        tokenize=True, return_dict=False,
+        messages,
+        tools=list(tools) if tools else None,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
     )
     return list(ids)
 
@@ -106,19 +130,25 @@ def prime(
     """Supervised steps on ``prompt -> tool call`` pairs (the loss on the reply only) for
     each of ``prompts`` (ids from :func:`prompt_ids`), so that sampling at temperature 1
     from any of them mostly gives one of the :data:`ANSWERS`' ``bash`` tool calls."""
-    examples = []
+    rows = []
     for prefix in prompts:
         for answer in ANSWERS:
             reply = tokenizer.encode(tool_call_text(answer), add_special_tokens=False)
-            examples.append((list(prefix), [*reply, tokenizer.eos_token_id]))
+            rows.append((list(prefix), [*reply, tokenizer.eos_token_id]))
+    # One right-padded batch of every (prompt, reply) pair: one forward and backward per step.
+    width = max(len(c) + len(r) for c, r in rows)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([c + r + [pad] * (width - len(c) - len(r)) for c, r in rows])
+    mask = torch.tensor(
+        [[1] * (len(c) + len(r)) + [0] * (width - len(c) - len(r)) for c, r in rows]
+    )
+    labels = torch.tensor(
+        [[-100] * len(c) + r + [-100] * (width - len(c) - len(r)) for c, r in rows]
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
         optimizer.zero_grad()
-        for context, reply in examples:
-            ids = torch.tensor([context + reply])
-            labels = torch.tensor([[-100] * len(context) + reply])
-            loss = model(input_ids=ids, labels=labels).loss / len(examples)
-            loss.backward()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         optimizer.step()
     model.eval()
