@@ -9,7 +9,8 @@ import sys
 HEAVY = ("trl", "openenv", "torch", "transformers", "datasets")
 CODE = (
     "import runtimes, harnesses, placement, placement.trainers.tools, "
-    "placement.trainers.grading, placement.trainers.host; import sys; "
+    "placement.trainers.grading, placement.trainers.host, placement.trainers.generation; "
+    "import sys; "
     f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
 )
 
