@@ -33,7 +33,9 @@ from harnesses.bash import BASH_TOOL, DEFAULT_SYSTEM_PROMPT
 from harnesses.errors import SessionProtocolError, SessionVerifyError
 from harnesses.gate import Completion
 from harnesses.llm import ToolCall as HarnessToolCall
+from harnesses.scripted import reply
 from harnesses.session import AgentSession, VerifyContext
+from placement.specs import JudgeSpec
 from placement.trainers.generation import TransformersGenerator
 from placement.trainers.openenv import (
     SandboxSession,
@@ -47,12 +49,16 @@ from placement.trainers.tools import (
     ToolNotFoundError,
     tool_specs,
 )
-from placement.verifier import CommandCheck
+from placement.verifier import CommandCheck, JudgeVerifier
 from runtimes import live_runtimes, ownership
 from runtimes.errors import SandboxUnavailableError
 from runtimes.reaper import drain_removals_blocking
+from tests.placement import conftest as placement_fixtures
+from tests.placement.conftest import ModelsFactory
 
 from . import tiny_model
+
+scripted_models = placement_fixtures.scripted_models
 
 CHECK = "grep -qx 4 answer.txt"
 USER = [{"role": "user", "content": tiny_model.TASK}]
@@ -247,6 +253,31 @@ def test_dead_sandbox_and_failed_verifier_are_unscored(backend: dict[str, Any]) 
             assert result.env_reward is None
             assert result.metrics["error_type"] == "SessionVerifyError"
             session.close()
+
+
+def test_a_judge_that_writes_no_verdict_leaves_the_rollout_unscored(
+    backend: dict[str, Any], scripted_models: ModelsFactory
+) -> None:
+    """A real bash judge whose model answers without writing verdict.json: VerdictMissing,
+    so the rollout has no reward (None, never 0.0), the cause typed in the metrics."""
+    spec = JudgeSpec(
+        name="silent",
+        harness={"id": "bash"},
+        model="silent",
+        budget=Budget(max_turns=2, max_seconds=60),
+        prompt="Check that answer.txt holds 4.",
+        verdict_schema={"score": {"type": "number"}},
+    )
+    verify = JudgeVerifier([spec], models=scripted_models({"silent": [reply("looks fine")]}))
+    with no_leaks(backend), SandboxSessionFactory(backend, verify=verify) as factory:
+        session = factory.create(tiny_model.TASK)
+        session.call_tool("bash", {"command": "echo 4 > answer.txt"})
+        result = session.verify([{"role": "assistant", "content": "done"}])
+        assert result.env_reward is None, result.metrics
+        assert result.metrics["scored"] is False and result.metrics["stage"] == "verify"
+        assert result.metrics["error_type"] == "SessionVerifyError"
+        assert "verdict" in result.metrics["error"]
+        session.close()
 
 
 # ---------------------------------------------------------------------- loop-owning sessions

@@ -29,6 +29,7 @@ from trl.chat_template_utils import (
 from harnesses.base import Budget
 from harnesses.bash import BASH_TOOL, DEFAULT_SYSTEM_PROMPT
 from harnesses.session import VerifyContext
+from placement.trainers.generation import TransformersGenerator
 from placement.trainers.trl import (
     SandboxEnvironment,
     SandboxRollouts,
@@ -189,16 +190,25 @@ def test_rollout_func_failures_are_unscored(
     live = {id(rt) for rt in live_runtimes()}
     model = primed_model(harness_prompt(tiny_tokenizer))
     verify = Recorder(doomed=lambda rollout_id: rollout_id.endswith("-0-1"))
-    prepared: list[str] = []
+    prepared: list[Runtime] = []
+    sampler = TransformersGenerator(model, tiny_tokenizer, max_tokens=64)
 
     async def prepare(runtime: Runtime, task: dict[str, Any]) -> None:
-        prepared.append("x")
+        prepared.append(runtime)
         if len(prepared) == 1:
             raise RuntimeError("the task's setup failed")
 
+    async def generate(rollout_id: str, turn: int, *args: Any) -> Any:
+        """Rollout 2's sandbox dies under its agent, on its first model call (one rollout
+        at a time: the sandbox prepared last is this rollout's)."""
+        if rollout_id.endswith("-0-2") and turn == 0:
+            await kill_runtime(prepared[-1])
+        return await sampler(rollout_id, turn, *args)
+
     trainer, batches = rollout_trainer(
-        backend, tiny_tokenizer, model, tmp_path, 1, verify=verify, prepare=prepare
-    )
+        backend, tiny_tokenizer, model, tmp_path, 1, verify=verify, prepare=prepare,
+        generate=generate, concurrency=1,
+    )  # fmt: skip
     with batches.rollouts:
         trainer.train()
     assert new_runtimes(live) == []
@@ -206,9 +216,10 @@ def test_rollout_func_failures_are_unscored(
     ((out, _),) = batches.batches
     rewards, metrics = out["sandbox_reward"], out["sandbox_metrics"]
     failed = [i for i, r in enumerate(rewards) if r is None]
-    assert len(failed) == 2, (rewards, metrics)
-    causes = {metrics[i]["error_type"] for i in failed}
-    assert "SessionSandboxLost" in causes and len(causes) == 2, metrics
+    assert failed == [0, 1, 2], (rewards, metrics)
+    assert metrics[0]["stage"] == "start", metrics[0]  # prepare failed: no agent ran
+    # killed while verifying, and killed under the running agent: both the sandbox lost
+    assert [metrics[i]["error_type"] for i in (1, 2)] == ["SessionSandboxLost"] * 2, metrics
     for i in failed:
         assert metrics[i]["scored"] is False and metrics[i]["error"]
         assert out["completion_ids"][i] == [tiny_tokenizer.eos_token_id]
