@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from harnesses.base import Trace, Turn
 from harnesses.errors import SessionError
 from harnesses.llm import ChatReply, Message, ToolCall
@@ -33,6 +35,7 @@ from harnesses.session import (
     VerifyFn,
     run_verify,
 )
+from placement.errors import RecordInvalid
 from runtimes import Runtime
 
 __all__ = ["Graded", "grade", "transcript_trace", "unscored"]
@@ -82,31 +85,44 @@ def scored(verification: Verification, trace: Trace | None) -> Graded:
 
 
 def _tool_calls(message: Mapping[str, Any]) -> list[ToolCall]:
+    """The message's tool calls (OpenAI's ``{"id", "function": {...}}`` or a flat
+    ``{"name", "arguments"}``). Raises: RecordInvalid (not a list of such mappings)."""
+    raw_calls = message.get("tool_calls") or []
+    if not isinstance(raw_calls, list):
+        raise RecordInvalid(f"tool_calls is a {type(raw_calls).__name__}, not a list")
     calls = []
-    for index, raw in enumerate(message.get("tool_calls") or []):
-        function = raw.get("function", raw) if isinstance(raw, Mapping) else {}
+    for index, raw in enumerate(raw_calls):
+        function = raw.get("function", raw) if isinstance(raw, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise RecordInvalid(f"tool call {index} is not a mapping with a function")
         arguments = function.get("arguments", {})
+        try:
+            text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        except (TypeError, ValueError) as exc:
+            raise RecordInvalid(f"tool call {index}'s arguments are not JSON: {exc}") from None
+        call_id = raw.get("id") if isinstance(raw, Mapping) else None
         calls.append(
-            ToolCall(
-                id=str(raw.get("id") or f"call_{index}")
-                if isinstance(raw, Mapping)
-                else str(index),
-                name=str(function.get("name", "")),
-                arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
-            )
-        )
+            ToolCall(id=str(call_id or f"call_{index}"), name=str(function.get("name", "")),
+                     arguments=text)
+        )  # fmt: skip
     return calls
 
 
 def transcript_trace(messages: Sequence[Message], harness: str = "trainer") -> Trace:
     """A :class:`~harnesses.base.Trace` of a conversation the trainer's own loop ran on the
     host (white-box): one turn per assistant message, its request the messages before it.
-    Judges read it as they read a harness's trace (``transcript.md``)."""
+    Judges read it as they read a harness's trace (``transcript.md``).
+
+    Raises:
+        RecordInvalid: a message that is not a mapping, or an unreadable tool call.
+    """
     now = _dt.datetime.now(_dt.UTC)
     trace = Trace(harness=harness)
     messages = list(messages)
     for index, message in enumerate(messages):
-        if not isinstance(message, Mapping) or message.get("role") != "assistant":
+        if not isinstance(message, Mapping):
+            raise RecordInvalid(f"message {index} is a {type(message).__name__}, not a mapping")
+        if message.get("role") != "assistant":
             continue
         content = message.get("content")
         reply = ChatReply(
@@ -139,20 +155,25 @@ async def grade(
     """Grade a white-box rollout (the trainer ran the loop, the tools ran in ``runtime``):
     ``verify`` on the live sandbox, through :func:`~harnesses.session.run_verify`.
 
-    Never raises for a failure of the sandbox or the verifier: that is an unscored
-    :class:`Graded` (the typed cause in its metrics). Cancellation propagates.
+    Never raises for a failure of the sandbox or the verifier, nor for a transcript that
+    cannot be recorded (a message that is not a mapping, an unreadable tool call: stage
+    ``"record"``): that is an unscored :class:`Graded` (the typed cause in its metrics).
+    Cancellation propagates.
     """
-    trace = transcript_trace(messages)
-    record = RolloutRecord(
-        rollout_id=rollout_id,
-        task=task,
-        status="completed",
-        messages=list(messages),
-        tools=tools,
-        turns=[],
-        linear=True,
-        gate_trace=trace,
-    )
+    try:
+        trace = transcript_trace(messages)
+        record = RolloutRecord(
+            rollout_id=rollout_id,
+            task=task,
+            status="completed",
+            messages=list(messages),
+            tools=tools,
+            turns=[],
+            linear=True,
+            gate_trace=trace,
+        )
+    except (RecordInvalid, ValidationError) as exc:  # a transcript no judge could read
+        return unscored(exc, "record")
     context = VerifyContext(rollout_id, task, runtime, trace, record)
     try:
         verification = await run_verify(verify, context, timeout)

@@ -118,3 +118,30 @@ def test_command_check_reads_what_the_policy_left(hostile: Hostile) -> None:
             assert left.data.strip() == "3", "the racer outlived verify"
         finally:
             session.close()
+
+
+MALFORMED = [
+    pytest.param([{"role": "assistant", "content": "x", "tool_calls": [{"function": "x"}]}],
+                 id="function-not-a-mapping"),
+    pytest.param([{"role": "assistant", "tool_calls": [{"function": {"arguments": {1, 2}}}]}],
+                 id="arguments-not-json"),
+    pytest.param(["not a message", {"role": "assistant", "content": "ok"}], id="not-a-mapping"),
+    pytest.param([{"role": "assistant", "content": "ok", "tool_calls": 5}], id="calls-not-a-list"),
+]  # fmt: skip
+
+
+@pytest.mark.attack(18)
+@pytest.mark.parametrize("transcript", MALFORMED)
+def test_a_malformed_transcript_is_unscored_not_a_crash(transcript: list[object]) -> None:
+    """The transcript handed to ``verify`` carries what the model produced: one no judge
+    could read is an unscored rollout (typed, stage ``record``), never an AttributeError out
+    of the trainer's step, and never a reward."""
+    with SandboxSessionFactory("subprocess", verify=CommandCheck("true")) as factory:
+        session = factory.create("Write 4 into answer.txt.")
+        try:
+            result = session.verify(transcript)  # type: ignore[arg-type]
+        finally:
+            session.close()
+    assert result.env_reward is None, result.metrics
+    assert result.metrics["stage"] == "record"
+    assert result.metrics["error_type"] in {"RecordInvalid", "ValidationError"}
