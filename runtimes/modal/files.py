@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import anyio
@@ -18,23 +19,34 @@ from ..errors import (
 )
 from .client import _SdkRuntime, _TooLargeForFilesystemApi
 
+log = logging.getLogger("runtimes.modal")
+
 
 class _ModalFiles(_SdkRuntime):
     """The part of :class:`~runtimes.modal.ModalRuntime` that reads and writes files."""
 
     async def _read(self, path: str, limit: int) -> bytes:
-        info = await self._files("stat", path, path)
-        kind = getattr(info.type, "value", info.type)
-        if kind == "directory":
-            raise SandboxIsADirectoryError(path)
-        if kind == "symlink":
-            return await self._read_streamed(path, limit)
-        if info.size > limit:
+        # A read whose length is not the size ``stat`` just gave is read once more: the
+        # file may have changed in between (then the second answer stands), or the
+        # output stream was cut short under the worker (then the second one is whole).
+        for attempt in range(2):
+            info = await self._files("stat", path, path)
+            kind = getattr(info.type, "value", info.type)
+            if kind == "directory":
+                raise SandboxIsADirectoryError(path)
+            if kind == "symlink":
+                return await self._read_streamed(path, limit)
+            if info.size > limit:
+                raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
+            try:
+                data: bytes = await self._files("read_bytes", path, path)
+            except _TooLargeForFilesystemApi:
+                return await self._read_streamed(path, limit)
+            if len(data) == info.size or attempt:
+                break
+            log.debug("modal: read of %r gave %d bytes, stat said %d", path, len(data), info.size)
+        if len(data) > limit:
             raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
-        try:
-            data: bytes = await self._files("read_bytes", path, path)
-        except _TooLargeForFilesystemApi:
-            return await self._read_streamed(path, limit)
         return data
 
     async def _read_streamed(self, path: str, limit: int) -> bytes:

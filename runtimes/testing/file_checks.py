@@ -363,6 +363,13 @@ async def check_download_missing(rt: Runtime) -> None:
     _assert_names(exc, missing)
 
 
+def _mismatch(name: str, wrote: bytes, read: bytes) -> str:
+    """What a failed round trip read back, told well enough to tell truncation from mixing."""
+    at = next((i for i, (a, b) in enumerate(zip(wrote, read, strict=False)) if a != b), None)
+    where = f"first difference at byte {at}" if at is not None else "one is a prefix of the other"
+    return f"{name}: wrote {len(wrote)} bytes, read {len(read)} ({where}); read began {read[:80]!r}"
+
+
 @check(shares_sandbox=True)
 async def check_concurrent_files(rt: Runtime) -> None:
     """Concurrent writes and reads of different files do not mix."""
@@ -371,7 +378,8 @@ async def check_concurrent_files(rt: Runtime) -> None:
 
     async def one(i: int) -> None:
         await rt.write(f"{base}/f{i}", payloads[i])
-        assert await rt.read(f"{base}/f{i}") == payloads[i], i
+        got = await rt.read(f"{base}/f{i}")
+        assert got == payloads[i], _mismatch(f"f{i}", payloads[i], got)
 
     async with anyio.create_task_group() as tg:
         for i in payloads:

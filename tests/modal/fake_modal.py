@@ -183,6 +183,7 @@ class _ExecSession:
         self.stdin_offset = 0
         self.stdin_closed = False
         self._eof_seen = asyncio.Event()
+        self.stdout_cut: int | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -202,6 +203,8 @@ class _ExecSession:
                 size = struct.unpack(">I", header[4:])[0]
                 chunk = await reader.readexactly(size)
                 pipe = self.pipes.get(header[0])
+                if header[0] == api_pb2.FILE_DESCRIPTOR_STDOUT and self.stdout_cut is not None:
+                    chunk, self.stdout_cut = chunk[: self.stdout_cut], 0
                 if pipe is not None and chunk:
                     await pipe.append(chunk, self.exited)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
@@ -333,6 +336,9 @@ class FakeModalService:
         self.created: list[CreateCall] = []
         self.create_failures: list[BaseException] = []
         self.exec_failures: list[BaseException] = []
+        # (a word of the command, n): the next such exec's stdout stops after n bytes while
+        # the process exits 0, as when the engine loses an attach stream under load
+        self.stdout_cuts: list[tuple[str, int]] = []
         self.exec_calls: list[list[str]] = []
         self._sessions: dict[tuple[str, str], _ExecSession] = {}
         self._lock = threading.Lock()
@@ -665,6 +671,11 @@ class FakeModalService:
         except docker.errors.NotFound:
             raise grpc_error(Status.NOT_FOUND, f"task for {sandbox_id} not found") from None
         session = _ExecSession(self, sandbox_id, created["Id"])
+        for cut in self.stdout_cuts:
+            if any(cut[0] in word for word in command):
+                self.stdout_cuts.remove(cut)
+                session.stdout_cut = cut[1]
+                break
         self._sessions[(sandbox_id, request.exec_id)] = session
         timeout = request.timeout_secs if request.HasField("timeout_secs") else None
         await session.start(sock, timeout)

@@ -460,6 +460,23 @@ def test_modal_exceptions_map_to_typed_errors(
     anyio.run(body)
 
 
+def test_a_read_cut_short_under_the_worker_is_read_again(
+    fake_service: FakeModalService, fake_modal: types.ModuleType
+) -> None:
+    """A read shorter than the size ``stat`` just gave (its output stream lost, the process
+    exiting 0) is read once more, never returned truncated."""
+    data = os.urandom(150_000)
+
+    async def body() -> None:
+        async with open_runtime(fake_config(channel=False)) as rt:
+            await rt.write("cut.bin", data)
+            fake_service.stdout_cuts = [("ReadFile", 4096)]
+            assert await rt.read("cut.bin") == data
+            assert fake_service.stdout_cuts == []
+
+    anyio.run(body)
+
+
 def test_a_file_too_large_for_the_filesystem_api_is_streamed_instead(
     fake_service: FakeModalService, fake_modal: types.ModuleType
 ) -> None:
