@@ -151,7 +151,7 @@ test: install images lint typecheck
 demo: install-run
 	@$(call step,judging examples/rollout with examples/judges.yaml on the subprocess runtime)
 	$(VENV)/bin/vf-sandbox judge examples/rollout --judges examples/judges.yaml \
-	  --scripted examples/scripted.json --out agent-runs.json
+	  --scripted examples/scripted.json --out agent-runs.json --force
 
 # The SWE-ReX baseline of the shell-session rows: its client in a venv of its own (kept apart from
 # the project's pins; only `make bench` makes it), its server in vf-sandbox/swerex (images/swerex,

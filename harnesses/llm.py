@@ -260,6 +260,10 @@ class ChatReply(BaseModel):
     latency: float = 0.0
     finish_reason: str | None = None
     model: str | None = None
+    reasoning: str | None = None
+    """The model's reasoning text where a recorded conversation carried one (an assistant
+    message's ``reasoning_content`` or ``reasoning``): shown to judges in the transcript,
+    never sent back to an endpoint."""
 
     def assistant_message(self) -> Message:
         """The reply as the assistant message to append to the conversation."""

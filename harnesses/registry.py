@@ -88,7 +88,7 @@ def resolve_harness_config(config: HarnessConfig | Mapping[str, Any] | str) -> H
     except ValidationError as exc:
         raise HarnessConfigError(
             f"invalid {harness_id!r} harness config:\n"
-            + "\n".join(f"  {line}" for line in validation_lines(exc))
+            + "\n".join(f"  {line}" for line in validation_lines(exc, model))
         ) from None
 
 

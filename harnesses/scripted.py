@@ -39,14 +39,18 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
+
+from runtimes.plugins import validation_lines
 
 from ._http import HTTPRequest, HTTPResponse, LocalHTTPServer, error_response, json_response
+from .errors import HarnessConfigError
 from .llm import ModelEndpoint, Usage
 from .proxy_requests import ProxyRequestError, parse_json_bounded
 
 __all__ = [
     "RecordedRequest",
+    "ScriptFile",
     "ScriptItem",
     "ScriptedEndpoint",
     "ScriptedError",
@@ -55,6 +59,7 @@ __all__ = [
     "bash_call",
     "byte_tokens",
     "http_error",
+    "load_script_file",
     "render_chat",
     "reply",
     "tool_calls",
@@ -67,30 +72,98 @@ _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class ScriptedToolCall(BaseModel):
-    name: str
-    arguments: dict[str, Any] | str = Field(default_factory=dict)
-    id: str | None = None
+    """One tool call of a scripted reply, answered in OpenAI's ``tool_calls`` format."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="the tool's name (e.g. 'bash')")
+    arguments: dict[str, Any] | str = Field(
+        default_factory=dict, description="a JSON object, or its JSON text"
+    )
+    id: str | None = Field(default=None, description="the call's id (default: generated)")
 
 
 class ScriptedReply(BaseModel):
     """An assistant message: text, tool calls, or both. ``delay`` seconds before answering."""
 
-    content: str | None = None
+    model_config = ConfigDict(extra="forbid")
+
+    content: str | None = Field(default=None, description="the reply's text")
     tool_calls: list[ScriptedToolCall] = Field(default_factory=list)
-    usage: Usage | None = None
-    delay: float = 0.0
-    finish_reason: str | None = None
+    usage: Usage | None = Field(
+        default=None, description="prompt_tokens, completion_tokens, total_tokens"
+    )
+    delay: float = Field(default=0.0, ge=0, description="seconds to wait before answering")
+    finish_reason: str | None = Field(
+        default=None, description="default: 'tool_calls' with tool calls, else 'stop'"
+    )
 
 
 class ScriptedError(BaseModel):
     """An HTTP error answer (e.g. 429 or 500) with an OpenAI-shaped error body."""
 
-    status: int = Field(ge=400, le=599)
-    message: str = "scripted error"
-    headers: dict[str, str] = Field(default_factory=dict)
+    model_config = ConfigDict(extra="forbid")
+
+    status: int = Field(ge=400, le=599, description="the HTTP status (400-599)")
+    message: str = Field(default="scripted error", description="the error body's message")
+    headers: dict[str, str] = Field(default_factory=dict, description="response headers")
 
 
 ScriptItem = ScriptedReply | ScriptedError
+
+
+class ScriptFile(RootModel[dict[str, list[ScriptItem]]]):
+    """A scripted-replies file (``vf-sandbox judge --scripted FILE``): a JSON object mapping
+    each judge's name to the items its model answers with, in order. An item with a
+    ``status`` is a :class:`ScriptedError`, any other a :class:`ScriptedReply`; unknown
+    fields are refused. ``ScriptFile.model_json_schema()`` is its JSON schema."""
+
+
+def load_script_file(data: bytes | str, source: str = "the script") -> dict[str, list[ScriptItem]]:
+    """The scripts of a scripted-replies file (:class:`ScriptFile`), checked entry by entry.
+
+    Args:
+        data: the file's bytes or text.
+        source: how errors name the file.
+
+    Raises:
+        HarnessConfigError: not JSON, not an object of lists, or an entry that is not a
+            reply or an error; the message names the script and the item (``'grader'[1]``)
+            and the field, with a did-you-mean for a misspelt one.
+    """
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # ValueError: JSON syntax, UTF-8
+        raise HarnessConfigError(f"{source} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise HarnessConfigError(
+            f"{source} must be a JSON object mapping each judge's name to a list of replies, "
+            f"not a {type(raw).__name__}"
+        )
+    scripts: dict[str, list[ScriptItem]] = {}
+    for name, items in raw.items():
+        if not isinstance(items, list):
+            raise HarnessConfigError(
+                f"{source}: the script {name!r} is a {type(items).__name__}, not a list of replies"
+            )
+        scripts[name] = [
+            _script_item(item, f"{source}: {name!r}[{i}]") for i, item in enumerate(items)
+        ]
+    return scripts
+
+
+def _script_item(item: Any, where: str) -> ScriptItem:
+    if not isinstance(item, dict):
+        raise HarnessConfigError(f"{where} is a {type(item).__name__}, not an object")
+    model: type[ScriptedReply | ScriptedError] = (
+        ScriptedError if "status" in item else ScriptedReply
+    )
+    try:
+        return model.model_validate(item)
+    except ValidationError as exc:
+        kind = "an error (it has a status)" if model is ScriptedError else "a reply"
+        problems = "; ".join(validation_lines(exc, model))
+        raise HarnessConfigError(f"{where} is not {kind}: {problems}") from None
 
 
 def reply(

@@ -9,6 +9,7 @@ verdict table and write every agent run as JSON. The other subcommands:
   doctor   which backends work here, and why not
   exec     one command in a fresh sandbox, like a local command
   shell    an interactive shell inside a sandbox (one kept with exec --keep)
+  rm       remove sandboxes by id (what ls prints)
 
 Reporting commands take --json (one JSON document on stdout) and -v (full details).
 Exit codes and JSON schemas: docs/cli.md.
@@ -22,7 +23,6 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -54,10 +54,14 @@ from .cli_exec import (
     EXIT_USAGE,
     Interrupted,
     parse_env,
+    parse_size,
     run_exec,
     run_interruptible,
     strip_separator,
+    with_image,
 )
+from .cli_judge import cmd_judge, require_argument
+from .cli_judge import print_judge_report as print_judge_report
 from .cli_output import (
     package_version,
     print_json,
@@ -66,6 +70,7 @@ from .cli_output import (
     shorten,
     terminal_safe_logging,
 )
+from .cli_rm import add_rm_command
 from .cli_shell import add_shell_command, keep_config, kept_notices
 from .errors import PlacementConfigError, PlacementError
 
@@ -288,80 +293,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_exec(args: argparse.Namespace) -> int:
     with kept_notices():
-        return run_exec(keep_config(parse_runtime(args.runtime), args.keep), args)
+        config = with_image(parse_runtime(args.runtime), args.image)
+        return run_exec(keep_config(config, args.keep), args)
 
 
 # ---------------------------------------------------------------------- judge
 
 
-def cmd_judge(args: argparse.Namespace) -> int:
-    from harnesses.llm import ModelTable
-
-    from .rollout import environment_models, judge_rollout, load_rollout, scripted_models
-    from .run import AgentRun
-    from .specs import load_judges
-
-    rollout = load_rollout(args.rollout)
-    judges = load_judges(args.judges)
-    runtime = parse_runtime(args.runtime)
-
-    def progress(run: AgentRun) -> None:
-        status = "ok" if run.ok else f"FAILED ({run.error_type})"
-        say(f"  judge {run.name}: {status} in {run.seconds:.1f}s", stderr=True, flush=True)
-
-    def judge(specs: list[Any], models: ModelTable, label: str) -> list[AgentRun]:
-        say(
-            f"judging {args.rollout} with {len(specs)} judges on {runtime.type} ({label})",
-            stderr=True,
-            flush=True,
-        )
-        return anyio.run(
-            run_interruptible,
-            lambda: judge_rollout(rollout, specs, models, runtime, progress, args.deadline),
-        )
-
-    if args.models:
-        runs = judge(judges, ModelTable.from_file(args.models), f"models from {args.models}")
-    elif os.environ.get("OPENAI_BASE_URL"):
-        runs = judge(judges, environment_models(judges, os.environ), "OPENAI_BASE_URL")
-    elif args.scripted:
-        with scripted_models(judges, args.scripted) as (specs, models):
-            runs = judge(specs, models, f"SCRIPTED model replies from {args.scripted}")
-    else:
-        raise PlacementConfigError(
-            "no model: pass --models FILE, set OPENAI_BASE_URL, or --scripted FILE"
-        )
-    out = Path(args.out)
-    out.write_text(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
-    print_judge_report(args, runtime.type, runs)
-    say(f"\nagent runs written to {out}", stderr=True)
-    return 0 if all(r.ok for r in runs) else 1
-
-
-def print_judge_report(args: argparse.Namespace, runtime_type: str, runs: Sequence[Any]) -> None:
-    if args.json:
-        keys = ("name", "placement", "verdict", "error_type", "error", "seconds")
-        rows = [{"ok": r.ok, **{k: getattr(r, k) for k in keys}} for r in runs]
-        body = {
-            "rollout": str(args.rollout),
-            "runtime": runtime_type,
-            "out": str(args.out),
-            "runs": rows,
-        }
-        print_json("judge", body)
-        return
-    print_table(
-        ["judge", "placement", "verdict", "error"],
-        [
-            (
-                r.name,
-                r.placement,
-                json.dumps(r.verdict) if r.verdict is not None else "-",
-                shorten(f"{r.error_type}: {r.error}", args.verbose) if r.error else "",
-            )
-            for r in runs
-        ],
-    )
+# cmd_judge and print_judge_report: placement/cli_judge.py
 
 
 # ---------------------------------------------------------------------- main
@@ -413,9 +352,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the rollout's world lives: a type name or a JSON config",
     )
     judge.add_argument("--models", help="YAML/JSON model table")
-    judge.add_argument("--scripted", help="offline: a JSON file of scripted replies per judge")
     judge.add_argument(
-        "--out", default="agent-runs.json", help="where to write the runs (default: %(default)s)"
+        "--scripted",
+        help="offline: a JSON file of scripted replies per judge (format: docs/cli.md, "
+        "'The --scripted replies file'; schema: harnesses.scripted.ScriptFile)",
+    )
+    judge.add_argument(
+        "--out",
+        default="agent-runs.json",
+        help="where to write the runs (default: %(default)s; an existing file needs --force)",
+    )
+    judge.add_argument(
+        "--force", action="store_true", help="replace --out when it exists (else: exit 2)"
+    )
+    judge.add_argument(
+        "--require",
+        action="append",
+        type=require_argument,
+        metavar="EXPR",
+        help="exit 3 unless every verdict meets EXPR, [JUDGE:]FIELD OP VALUE "
+        "(e.g. 'score>=0.5', 'passed==true'; repeatable; docs/cli.md)",
     )
     judge.add_argument(
         "--deadline",
@@ -528,6 +484,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exec_.add_argument("--user", help="run as this user inside the sandbox")
     exec_.add_argument(
+        "--image",
+        help="run in this image: sets the image of the --runtime config (docker, modal)",
+    )
+    exec_.add_argument(
+        "--output-limit",
+        type=parse_size,
+        metavar="SIZE",
+        help="kill the command once stdout + stderr pass SIZE (bytes, or 64KiB, 1GiB...; "
+        "default: no cap, the output is streamed, not kept; exit 1)",
+    )
+    exec_.add_argument(
         "--keep",
         action="store_true",
         help="keep the sandbox running afterwards (its id and `vf-sandbox shell` on stderr)",
@@ -540,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exec_.set_defaults(func=cmd_exec)
     add_shell_command(command)
+    add_rm_command(command)
     return parser
 
 

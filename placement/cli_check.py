@@ -8,13 +8,13 @@ closing the current check's sandbox, instead of failing one check and going on.
 from __future__ import annotations
 
 import argparse
-import difflib
 import time
 import traceback
 
 import anyio
 
 from runtimes import RuntimeConfig
+from runtimes.plugins import did_you_mean
 from runtimes.testing import CHECKS, Check, CheckOutcome, CheckSkipped, run_check
 
 from .cli_exec import Interrupted, run_interruptible
@@ -26,8 +26,7 @@ def known_check(name: str) -> str:
     names = [c.name for c in CHECKS]
     if name in names:
         return name
-    close = difflib.get_close_matches(name, names, n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; see check --list"
+    hint = did_you_mean(name, names) or "; see check --list"
     raise argparse.ArgumentTypeError(f"unknown check {name!r}{hint}")
 
 

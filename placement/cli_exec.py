@@ -1,8 +1,10 @@
 """``vf-sandbox exec``: one command in a fresh sandbox, behaving like a local command.
 
 stdin is forwarded when it is not a terminal, output is streamed to the matching host
-stream as it arrives, and the exit status follows shell conventions (table in
-docs/cli.md). Ctrl-C cancels the run: the sandbox is closed (removed) before exiting 130.
+stream as it arrives (and not kept: a stream of any length costs constant memory, so it is
+not capped unless ``--output-limit`` or the config's own ``output_limit`` asks), and the
+exit status follows shell conventions (table in docs/cli.md). Ctrl-C cancels the run: the
+sandbox is closed (removed) before exiting 130.
 """
 
 from __future__ import annotations
@@ -14,17 +16,22 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio
+from pydantic import ValidationError
 
 from runtimes import (
     ExecTimeoutError,
+    OutputLimitExceededError,
     RuntimeConfig,
+    RuntimeConfigError,
     SandboxFileNotFoundError,
     SandboxPermissionError,
     SandboxResourceError,
     open_runtime,
 )
+from runtimes.config import config_error_from_validation
 from runtimes.errors import names_the_program
 from runtimes.models import Stream
+from runtimes.resources import byte_count
 
 from .cli_output import say
 
@@ -38,6 +45,10 @@ EXIT_NOT_FOUND = 127
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a local command killed by a closed pipe reports
 
+UNLIMITED_OUTPUT = 1 << 62
+"""``exec``'s cap on streamed output when none is asked for: none that a stream can reach
+(the output is passed on, never kept)."""
+
 
 class Interrupted(Exception):
     """Ctrl-C (SIGINT) stopped the run after its cleanup ran."""
@@ -49,6 +60,51 @@ def parse_env(text: str) -> tuple[str, str]:
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
     return name, value
+
+
+def parse_size(text: str) -> int:
+    """``--output-limit SIZE``: bytes, or a size with a unit (``64KiB``, ``1GiB``: the units
+    of a config's ``memory`` and ``output_limit``); anything else is a usage error."""
+    try:
+        size: object = byte_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not isinstance(size, int) or size <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size above 0 like '1GiB', got {text!r}")
+    return size
+
+
+def with_image(config: RuntimeConfig, image: str | None) -> RuntimeConfig:
+    """``config`` with its ``image`` set to ``image`` (``exec --image``), validated again.
+
+    Raises:
+        RuntimeConfigError: the backend's config has no ``image`` field, or the image is
+            invalid for it.
+    """
+    if image is None:
+        return config
+    model = type(config)
+    if "image" not in model.model_fields:
+        raise RuntimeConfigError(
+            f"--image: the {config.type!r} backend's config has no image "
+            "(the docker and modal backends' have one: --runtime docker --image IMAGE)",
+            [{"type": "value_error", "loc": ("image",), "msg": "the config has no image"}],
+        )
+    data = {**config.model_dump(exclude_unset=True), "type": config.type, "image": image}
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise config_error_from_validation(config.type, exc, model) from None
+
+
+def stream_limit(config: RuntimeConfig, asked: int | None) -> int:
+    """The cap on ``exec``'s streamed output: ``--output-limit``, else the config's
+    ``output_limit`` when the config sets one, else :data:`UNLIMITED_OUTPUT`."""
+    if asked is not None:
+        return asked
+    if "output_limit" in config.model_fields_set:
+        return config.output_limit
+    return UNLIMITED_OUTPUT
 
 
 def strip_separator(argv: list[str]) -> list[str]:
@@ -104,7 +160,7 @@ async def run_interruptible(body: Callable[[], Awaitable[T]]) -> T:
 async def exec_in_fresh_sandbox(
     config: RuntimeConfig, args: argparse.Namespace, stdin: bytes | None
 ) -> int:
-    """Open a sandbox, run the command streaming its output, close the sandbox.
+    """Open a sandbox, run the command streaming its output (never kept), close the sandbox.
 
     Returns the command's exit code, or 127/126 (message printed) when the program is
     missing or not executable.
@@ -123,7 +179,9 @@ async def exec_in_fresh_sandbox(
                 env=dict(args.env or []),
                 stdin=stdin,
                 user=args.user,
+                output_limit=stream_limit(config, args.output_limit),
                 on_output=write_output,
+                keep_output=False,
             )
         except SandboxFileNotFoundError as exc:
             if not names_the_program(exc, argv, args.cwd, rt.workdir):
@@ -143,7 +201,8 @@ def run_exec(config: RuntimeConfig, args: argparse.Namespace) -> int:
 
     Raises:
         Interrupted: Ctrl-C; the sandbox was closed first.
-        SandboxError: anything else the backend raised (timeouts are turned into 124).
+        SandboxError: anything else the backend raised (timeouts are turned into 124, an
+            output over ``--output-limit`` into 1 with a message).
     """
     stdin = read_piped_stdin()
     try:
@@ -154,3 +213,8 @@ def run_exec(config: RuntimeConfig, args: argparse.Namespace) -> int:
     except SandboxResourceError as exc:  # its output was streamed already; exit like the kill
         say(f"vf-sandbox: {exc}", stderr=True)
         return exc.exit_code
+    except OutputLimitExceededError as exc:  # what fitted was streamed already
+        say(
+            f"vf-sandbox: {exc} (the command was killed; raise it with --output-limit)", stderr=True
+        )
+        return EXIT_ERROR

@@ -15,17 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-
 from harnesses.base import Trace
+from harnesses.errors import HarnessConfigError
 from harnesses.llm import ModelEndpoint, ModelTable
-from harnesses.scripted import ScriptedEndpoint, ScriptItem
+from harnesses.scripted import ScriptedEndpoint, load_script_file
 from runtimes import RuntimeConfig
 from runtimes.pool import RuntimePool, open_pooled
 
-from .errors import PlacementConfigError
+from .errors import PlacementConfigError, RecordInvalid
 from .run import AgentRun, run_judges
 from .specs import JudgeSpec
+from .traces import MAX_TRACE_BYTES, load_trace
 
 
 @dataclass(frozen=True)
@@ -36,20 +36,31 @@ class Rollout:
 
 
 def load_rollout(directory: str | Path) -> Rollout:
-    """Raises PlacementConfigError: a missing or malformed task.json / trace.json."""
+    """The rollout in ``directory``: ``task.json``, ``trace.json`` (any shape
+    :func:`~placement.traces.load_trace` reads: a ``Trace``, ``{"messages": [...]}``,
+    TRL's ``prompt``/``completion``, a list of messages) and ``files/``.
+
+    Raises:
+        PlacementConfigError: a missing or malformed task.json / trace.json; for a trace,
+            what :func:`~placement.traces.load_trace` refuses (an unknown key, a message
+            with no place in a trace, over a cap), with where.
+    """
     root = Path(directory)
     try:
         task = json.loads((root / "task.json").read_text(encoding="utf-8"))
-        trace = Trace.model_validate_json((root / "trace.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON, UTF-8, schema
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON, UTF-8
         raise PlacementConfigError(f"{root} is not a readable rollout: {exc}") from None
+    try:
+        with (root / "trace.json").open("rb") as stream:
+            trace = load_trace(stream.read(MAX_TRACE_BYTES + 1))
+    except OSError as exc:
+        raise PlacementConfigError(f"{root} is not a readable rollout: {exc}") from None
+    except RecordInvalid as exc:
+        raise PlacementConfigError(f"{root}/trace.json: {exc}") from None
     if not isinstance(task, dict):
         raise PlacementConfigError(f"{root}/task.json must hold a JSON object")
     files = root / "files"
     return Rollout(task, trace, files if files.is_dir() else None)
-
-
-_SCRIPT = TypeAdapter(dict[str, list[ScriptItem]])
 
 
 @contextmanager
@@ -59,11 +70,19 @@ def scripted_models(
     """One scripted endpoint per judge, replaying ``{judge name: [items]}`` from a file.
 
     Each judge is pointed at its own endpoint (its ``model`` becomes ``scripted-<name>``),
-    so judges running concurrently never take each other's replies.
+    so judges running concurrently never take each other's replies. The file's format is
+    :class:`~harnesses.scripted.ScriptFile` (docs/cli.md, "The `--scripted` replies file").
+
+    Raises:
+        PlacementConfigError: the file cannot be read, an entry is malformed (named, with
+            the field: :func:`~harnesses.scripted.load_script_file`), or a judge has no
+            script.
     """
     try:
-        scripts = _SCRIPT.validate_json(Path(script_file).read_bytes())
-    except (OSError, ValidationError) as exc:
+        scripts = load_script_file(Path(script_file).read_bytes(), str(script_file))
+    except HarnessConfigError as exc:
+        raise PlacementConfigError(str(exc)) from None
+    except OSError as exc:
         raise PlacementConfigError(f"cannot load the script {script_file}: {exc}") from None
     missing = [j.name for j in judges if j.name not in scripts]
     if missing:

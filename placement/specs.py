@@ -243,7 +243,7 @@ def load_judges(path: str | Path) -> list[JudgeSpec]:
         try:
             judges.append(JudgeSpec.model_validate(item))
         except ValidationError as exc:
-            where = "; ".join(validation_lines(exc))
+            where = "; ".join(validation_lines(exc, JudgeSpec))
             raise PlacementConfigError(f"{source}: judge #{index}: {where}") from None
     names = [j.name for j in judges]
     if len(set(names)) != len(names):

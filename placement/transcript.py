@@ -328,6 +328,8 @@ def _message(label: str, source: str, message: RecordedMessage) -> Iterator[str]
 def _reply(turn: Turn, source: str) -> Iterator[str]:
     if turn.reply is not None:
         yield from [f"### Reply: assistant ({source})", ""]
+        if turn.reply.reasoning:
+            yield from ["reasoning:", "", *fenced(turn.reply.reasoning)]
         if turn.reply.content:
             yield from fenced(turn.reply.content)
         for index, call in enumerate(turn.reply.tool_calls):

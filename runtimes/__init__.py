@@ -12,8 +12,11 @@ from .base import Runtime, live_runtimes
 from .channel.agent.wire import PathInfo
 from .config import RuntimeConfig, RuntimeConfigError
 from .errors import (
+    BuildContextError,
     ChannelTamperedError,
+    CommandFailedError,
     ExecTimeoutError,
+    ListingLimitExceededError,
     OutputLimitExceededError,
     ProvisioningError,
     SandboxError,
@@ -34,6 +37,7 @@ from .errors import (
     UnsafeArchiveMemberError,
     names_the_program,
 )
+from .listing import FileInfo
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
 from .pool import PoolClosedError, PoolTimeoutError, RuntimePool
 from .reaper import drain_removals, drain_removals_blocking
@@ -60,10 +64,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BlockingCallInEventLoopError",
+    "BuildContextError",
     "ChannelTamperedError",
+    "CommandFailedError",
     "ExecRequest",
     "ExecResult",
     "ExecTimeoutError",
+    "FileInfo",
+    "ListingLimitExceededError",
     "OutputLimitExceededError",
     "OutputSink",
     "PathInfo",

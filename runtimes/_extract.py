@@ -27,8 +27,16 @@ here relies on it or on ``realpath``:
   can carry one) are refused like the rest (never an ``ENAMETOOLONG`` or ``ValueError``
   halfway through).
 
-Nothing outside the destination is created or changed; the destination's own parents
-are the host's choice and are created as needed.
+With ``links="keep"`` a symlink is created as the archive has it, whatever its target
+(absolute, out of the destination: a Python venv's ``bin/python``), as ``docker cp`` does;
+the rest is checked as above, and still nothing is written through a link: every path is
+walked ``O_NOFOLLOW``, so a member below a kept link is refused like any path through a
+link, and the extraction happens in a staging directory of its own.
+
+The extraction is all or nothing (:mod:`runtimes._staging`): it lands in a fresh staging
+directory next to the destination and is put in place only once complete, so a refused
+member (or a malformed archive) leaves the destination exactly as it was -- nothing created,
+nothing overwritten, not even its parents.
 """
 
 from __future__ import annotations
@@ -42,9 +50,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
+from ._staging import staged_download
 from .errors import SandboxError, UnsafeArchiveMemberError
+
+Links = Literal["contained", "keep"]
+"""How a download treats the sandbox's symlinks: ``contained`` (the default) creates only
+those that stay inside the destination (the others are unsafe members); ``keep`` creates
+every one as it is, never following any."""
+
+LINKS: tuple[str, ...] = ("contained", "keep")
 
 log = logging.getLogger("runtimes")
 
@@ -84,10 +100,13 @@ def extract_archive(
     strip: str | None = None,
     max_members: int = MAX_MEMBERS,
     max_depth: int = MAX_DEPTH,
+    links: Links = "contained",
 ) -> list[SkippedMember]:
     """Unpack the tar in ``archive`` (a seekable binary file) into the directory ``dest``.
 
-    ``dest`` and its parents are created if missing. With ``strip``, only members under
+    ``dest`` and its parents are created if missing, all or nothing (see the module); an
+    existing ``dest`` directory is merged into. ``links``: see :data:`Links`. With
+    ``strip``, only members under
     the top component ``strip`` are extracted, that component dropped (the Docker
     engine names a directory's members ``<basename>/...``); other members are ignored.
 
@@ -100,9 +119,22 @@ def extract_archive(
         SandboxError: the archive is not a readable tar.
         OSError: a host-side failure creating the files (disk full, no permission).
     """
-    dest.mkdir(parents=True, exist_ok=True)
+    with staged_download(dest) as staged:
+        staged.mkdir()
+        return _extract_into(archive, staged, skip_unsafe, strip, max_members, max_depth, links)
+
+
+def _extract_into(
+    archive: BinaryIO,
+    dest: Path,
+    skip_unsafe: bool,
+    strip: str | None,
+    max_members: int,
+    max_depth: int,
+    links: Links,
+) -> list[SkippedMember]:
     root = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    extractor = _Extractor(root, skip_unsafe, max_depth)
+    extractor = _Extractor(root, skip_unsafe, max_depth, keep_links=links == "keep")
     try:
         with tarfile.open(fileobj=archive, mode="r:") as tar:
             count = 0
@@ -145,7 +177,7 @@ def _split(member: str, name: str) -> list[str]:
     return parts
 
 
-def _check_symlink(member: str, where: list[str], target: str) -> None:
+def _check_symlink(member: str, where: list[str], target: str, keep: bool = False) -> None:
     """Refuse a symlink target that is absolute or could resolve outside the destination.
 
     Only leading ``..`` components may climb, and no higher than the link's own
@@ -155,12 +187,14 @@ def _check_symlink(member: str, where: list[str], target: str) -> None:
     """
     if not target:
         raise UnsafeArchiveMemberError(member, "a symlink with an empty target")
-    if target.startswith("/"):
-        raise UnsafeArchiveMemberError(member, f"a symlink to the absolute path {target!r}")
     if "\x00" in target:
         raise UnsafeArchiveMemberError(member, "a symlink target with a NUL byte")
     if len(os.fsencode(target)) > TARGET_MAX:
         raise UnsafeArchiveMemberError(member, f"a symlink target over {TARGET_MAX} bytes")
+    if keep:  # kept as it is: never followed here, whatever it names
+        return
+    if target.startswith("/"):
+        raise UnsafeArchiveMemberError(member, f"a symlink to the absolute path {target!r}")
     parts = [part for part in target.split("/") if part not in ("", ".")]
     ups = 0
     while ups < len(parts) and parts[ups] == "..":
@@ -186,8 +220,9 @@ def _file_mode(mode: int) -> int:
 class _Extractor:
     """Member-by-member extraction below one directory fd, never following a symlink."""
 
-    def __init__(self, root: int, skip_unsafe: bool, max_depth: int) -> None:
+    def __init__(self, root: int, skip_unsafe: bool, max_depth: int, keep_links: bool) -> None:
         self._root = root
+        self._keep_links = keep_links
         self._skip_unsafe = skip_unsafe
         self._max_depth = max_depth
         # The directories of the last member's parent, opened: tar lists a tree depth
@@ -207,6 +242,13 @@ class _Extractor:
             self._extract(tar, member, name, strip)
         except UnsafeArchiveMemberError as exc:
             if not self._skip_unsafe:
+                if member.issym() and not self._keep_links:
+                    exc.hint = (
+                        "download(..., links='keep') keeps symlinks as they are, never "
+                        "following them; skip_unsafe=True leaves such members out"
+                    )
+                else:
+                    exc.hint = "download(..., skip_unsafe=True) leaves such members out"
                 raise
             self.skipped.append(SkippedMember(exc.member, exc.reason))
             if len(self.skipped) <= _LOGGED_SKIPS:
@@ -231,7 +273,7 @@ class _Extractor:
             raise UnsafeArchiveMemberError(shown, "a non-directory at the destination itself")
         key = tuple(parts)
         if member.issym():
-            _check_symlink(shown, parts[:-1], member.linkname)
+            _check_symlink(shown, parts[:-1], member.linkname, self._keep_links)
             parent = self._dir(shown, parts[:-1])
             self._clear(shown, parent, parts[-1])
             os.symlink(member.linkname, parts[-1], dir_fd=parent)
@@ -356,4 +398,4 @@ def _refuse_non_directory(shown: str, parts: list[str]) -> Iterator[None]:
         ) from None
 
 
-__all__ = ["MAX_DEPTH", "MAX_MEMBERS", "SkippedMember", "extract_archive"]
+__all__ = ["LINKS", "MAX_DEPTH", "MAX_MEMBERS", "Links", "SkippedMember", "extract_archive"]

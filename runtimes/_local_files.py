@@ -11,7 +11,7 @@ import tempfile
 from contextlib import suppress
 from pathlib import Path
 
-from ._extract import extract_archive
+from ._extract import Links, extract_archive
 from .errors import SandboxError, error_for_errno
 from .models import OutputSink
 
@@ -45,10 +45,12 @@ def tar_directory(source: Path) -> bytes:
     return buf.getvalue()
 
 
-def untar_into(data: bytes, local: Path, *, skip_unsafe: bool = False) -> None:
+def untar_into(
+    data: bytes, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
+) -> None:
     """Unpack a tar made in the sandbox into ``local``, never trusting it (see
     :mod:`runtimes._extract`)."""
-    extract_archive(io.BytesIO(data), local, skip_unsafe=skip_unsafe)
+    extract_archive(io.BytesIO(data), local, skip_unsafe=skip_unsafe, links=links)
 
 
 def write_local_file(local: Path, data: bytes) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import posixpath
-import time
 import uuid
 from collections.abc import AsyncIterable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -35,13 +34,14 @@ import anyio.lowlevel
 
 from . import lifecycle, limits
 from . import snapshot as snapshots
+from ._extract import LINKS, Links
 from ._local_files import shell_error, write_local_file
+from ._staging import download_staged
 from .arguments import PathLike, check_local_path, exec_request, resolve_sandbox_path, text_bytes
 from .channel import ChannelSupervisor
 from .channel.agent.wire import PathInfo
 from .config import RuntimeConfig
 from .errors import (
-    ExecTimeoutError,
     HostRouteError,
     OutputLimitExceededError,
     SandboxError,
@@ -51,10 +51,20 @@ from .errors import (
 )
 from .keep import Keeping, announce_kept
 from .lifecycle import State, live_runtimes
+from .listing import Listing
 from .machinery import run_machinery
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo, Stream
 from .policy import DEFAULT_JUDGE_USER, JUDGE_UID, PolicyAccount
 from .primitives import Primitives
+from .processes import (
+    BACKGROUND_BUFFER,
+    UNCAPPED,
+    BackgroundProcess,
+    background_processes,
+    close_processes,
+    run_command,
+    start_background,
+)
 from .routes import HostRoute, RouteKind, channel_route, choose_route
 from .shell.session import ShellSession, close_sessions
 from .snapshot import SandboxSnapshot, SnapshotHolds, SnapshotUnsupportedError, snapshot_labels
@@ -64,10 +74,17 @@ log = logging.getLogger("runtimes")
 
 T = TypeVar("T")
 
+NEVER_STARTED_HINT = (
+    ": open it first, with `async with runtime as rt:` or `await runtime.start()` (factories "
+    "and fixtures such as sandbox_factory and attached_container_runtime hand out unstarted "
+    "runtimes)"
+)
+"""What an operation on a runtime that was never started says to do."""
+
 _write_local_file = write_local_file  # the name backends imported before the split
 
 
-class Runtime(Primitives, Keeping):
+class Runtime(Primitives, Keeping, Listing):
     """One sandbox, as an async context manager.
 
     ``async with SomeRuntime(config) as rt:`` creates the sandbox, and leaving the block
@@ -199,6 +216,8 @@ class Runtime(Primitives, Keeping):
             try:
                 if was == State.OPEN:
                     await close_sessions(self)  # each ends its shell over its own exec
+                    # Background runs: each kills its tree, unless the sandbox is kept.
+                    await close_processes(self, keep=self._keep or self._keeps_sandbox())
                 if was in (State.STARTING, State.OPEN):
                     await self._close_channel()
                     if self._orphans and (self._keeps_sandbox() or self._keep):
@@ -353,12 +372,20 @@ class Runtime(Primitives, Keeping):
         output_limit: int | None = None,
         on_output: Callable[[Stream, bytes], object] | None = None,
         keep_output: bool = True,
+        check: bool = False,
     ) -> ExecResult:
         """Run ``argv`` (never a shell string) inside the sandbox and wait for it.
 
+        Returns when the command (the process it started) exits: output its background
+        processes go on writing to the pipes they inherited is taken for
+        :data:`~runtimes.processes.EXIT_GRACE` (0.2 s) more, then read and discarded; they
+        keep running until they end, :meth:`stop_processes` or :meth:`close`
+        (``docs/processes.md``). :meth:`spawn` starts a command without waiting.
+
         Args:
             argv: program and arguments. Callers who want a shell pass ``["sh", "-c", ...]``.
-            timeout: seconds; on expiry the whole process tree is killed.
+            timeout: seconds; on expiry (while the command runs) the whole process tree is
+                killed.
             cwd: absolute, or relative to the workdir; defaults to the workdir.
             env: variables added to the sandbox's environment for this call only.
             stdin: bytes (or text, encoded as UTF-8) fed to the process, then closed; or an
@@ -376,12 +403,15 @@ class Runtime(Primitives, Keeping):
             keep_output: ``False`` passes output to ``on_output`` without keeping it: the
                 result's ``stdout``/``stderr`` are empty and a stream of any length costs
                 constant host memory; ``output_limit`` still caps the bytes streamed.
+            check: raise :class:`CommandFailedError` (the result attached) when the
+                command exits non-zero, like ``subprocess.run(check=True)``.
 
         Returns:
             The exit code (``128 + N`` for a death by signal N) and byte-exact output.
-            A non-zero exit is a result, not an error.
+            A non-zero exit is a result, not an error (unless ``check``).
 
         Raises:
+            CommandFailedError: ``check`` is set and the command exited non-zero.
             ProvisioningError: ``user`` is :attr:`policy_user` and its account could not be
                 made or found at its first use.
             ExecTimeoutError: ``timeout`` expired; the tree was killed; partial output attached.
@@ -400,6 +430,12 @@ class Runtime(Primitives, Keeping):
         """
         self._check_open()
         request = self._exec_request(argv, timeout, cwd, env, stdin, user, output_limit)
+        await self._ensure_account(request)
+        sink = OutputSink(request.output_limit, on_output=on_output, keep=keep_output)
+        return await run_command(self, request, sink, timeout, self._guarded_exec, check=check)
+
+    async def _ensure_account(self, request: ExecRequest) -> None:
+        """Make or find the policy's or the judge's account at its first use."""
         if request.user is not None and request.user == self.policy_user:
             await self._policy_account.ensure(
                 request.user,
@@ -417,30 +453,56 @@ class Runtime(Primitives, Keeping):
                 through=self._policy_passage(),
                 uid=JUDGE_UID,
             )
-        started = time.monotonic()
-        sink = OutputSink(request.output_limit, on_output=on_output, keep=keep_output)
-        with anyio.CancelScope() as scope:
-            sink.on_overflow = scope.cancel
-            if timeout is not None:
-                scope.deadline = anyio.current_time() + timeout
-            with self._guard("exec", request.argv[0]):
-                exit_code = await self._routed_exec(request, sink)
-        if sink.failure is not None:
-            raise sink.failure
-        if sink.overflowed:
-            raise OutputLimitExceededError(
-                f"output of {request.argv[0]!r}",
-                request.output_limit,
-                stdout_bytes=bytes(sink.stdout),
-                stderr_bytes=bytes(sink.stderr),
-            )
-        if scope.cancelled_caught:
-            raise ExecTimeoutError(
-                list(request.argv), timeout, bytes(sink.stdout), bytes(sink.stderr)
-            )
-        return ExecResult(
-            exit_code, bytes(sink.stdout), bytes(sink.stderr), time.monotonic() - started
+
+    async def _guarded_exec(self, request: ExecRequest, sink: OutputSink) -> int:
+        with self._guard("exec", request.argv[0]):
+            return await self._routed_exec(request, sink)
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | str | AsyncIterable[bytes] | None = None,
+        user: str | None = None,
+        on_output: Callable[[Stream, bytes], object] | None = None,
+        buffer: int = BACKGROUND_BUFFER,
+    ) -> BackgroundProcess:
+        """Start ``argv`` in the background and return its handle at once:
+        ``proc.pid``, ``await proc.wait(timeout=)``, ``await proc.kill()``,
+        ``async for stream, chunk in proc`` (``docs/processes.md``).
+
+        Args:
+            argv, cwd, env, stdin, user: as for :meth:`exec`.
+            on_output: called with ``("stdout" | "stderr", chunk)`` as output arrives, as
+                for :meth:`exec`; an exception it raises kills the tree (``wait`` re-raises).
+            buffer: bytes kept of each stream's tail (for ``wait``'s result) and queued for
+                ``async for`` (the oldest dropped beyond it): host memory stays bounded
+                however much the process writes. Its output is never capped.
+
+        Raises:
+            SandboxInvalidArgumentError: as for :meth:`exec` (checked before it starts), or
+                ``buffer`` is not positive.
+            ProvisioningError: ``user`` is :attr:`policy_user` and its account could not be
+                made or found.
+
+        A program or ``cwd`` that does not exist is reported by ``wait()`` (the typed
+        errors of :meth:`exec`). :meth:`processes` lists the handles still running;
+        :meth:`stop_processes` and :meth:`close` end them.
+        """
+        self._check_open()
+        if buffer <= 0:
+            raise SandboxInvalidArgumentError(f"buffer must be > 0, got {buffer}")
+        request = self._exec_request(argv, None, cwd, env, stdin, user, UNCAPPED)
+        await self._ensure_account(request)
+        return start_background(
+            self, request, self._guarded_exec, on_output=on_output, buffer=buffer
         )
+
+    def processes(self) -> list[BackgroundProcess]:
+        """The :meth:`spawn` handles whose command is still running."""
+        return background_processes(self)
 
     def shell(
         self,
@@ -608,7 +670,11 @@ class Runtime(Primitives, Keeping):
     async def upload(self, local: PathLike, remote: PathLike) -> None:
         """Copy a local file or directory tree to ``remote`` (created, parents included).
 
-        A directory's contents land inside ``remote``; existing files are replaced.
+        A directory's contents land inside ``remote``; existing files are replaced. A file
+        uploaded to a ``remote`` ending in ``/`` lands inside that directory under its own
+        name (``upload("f.txt", "d/")`` writes ``d/f.txt``, creating ``d``), as ``cp f d/``.
+        A failed upload removes the directories it created (``d``, the ``remote`` of a
+        directory upload, and their missing parents).
 
         Raises:
             FileNotFoundError: the local source does not exist (a host-side error).
@@ -624,15 +690,50 @@ class Runtime(Primitives, Keeping):
                 2, "No such file or directory (local upload source)", str(local)
             )
         resolved = self.resolve_path(remote)
+        is_file = not await anyio.Path(source).is_dir()
+        if is_file and isinstance(remote, str) and remote.endswith("/"):
+            resolved = self.resolve_path(posixpath.join(resolved, source.name))
+        # the directory this upload may create: the file's parent, or the tree's root
+        made = posixpath.dirname(resolved) if is_file else resolved
         with self._guard("upload", resolved):
-            await self._upload(source, resolved)
+            created = await self._missing_top(made)
+            try:
+                await self._upload(source, resolved)
+            except BaseException:
+                if created is not None:
+                    with anyio.CancelScope(shield=True):
+                        try:
+                            await self._routed_remove(created)
+                        except SandboxError as exc:
+                            log.warning("upload: could not remove %r: %s", created, exc)
+                raise
+
+    async def _missing_top(self, path: str) -> str | None:
+        """The topmost of ``path`` and its parents that is missing, or ``None`` if
+        ``path`` exists."""
+        top = None
+        current = posixpath.normpath(path)
+        while current != "/" and not await self._routed_exists(current):
+            top, current = current, posixpath.dirname(current)
+        return top
 
     async def download(
-        self, remote: PathLike, local: PathLike, *, skip_unsafe: bool = False
+        self,
+        remote: PathLike,
+        local: PathLike,
+        *,
+        skip_unsafe: bool = False,
+        links: Links = "contained",
     ) -> None:
         """Copy a sandbox file or directory tree to ``local`` (parents created).
 
-        A directory's contents land inside ``local``. The sandbox is treated as hostile:
+        All or nothing: the download lands in a fresh staging directory next to ``local``
+        and is moved into place only once complete, so a failed download leaves ``local``
+        exactly as it was (nothing created, not even its parents; nothing overwritten). A
+        directory's contents land inside ``local`` (merged into an existing directory). With
+        ``links="keep"`` every symlink is kept as a link, whatever it points to (a venv's
+        ``bin/python -> /usr/bin/python3``), as ``docker cp`` does; none is ever followed
+        on the host. The sandbox is treated as hostile:
         its tree is unpacked on the host without ever following a symlink, and nothing
         outside ``local`` is created or changed. A member that would leave ``local`` (an
         absolute or ``..`` name, a path through a symlink, a symlink that is absolute or
@@ -641,22 +742,32 @@ class Runtime(Primitives, Keeping):
         with ``skip_unsafe=True`` such members are left out instead, each logged as a
         warning on the ``runtimes`` logger, and the rest is downloaded. (The subprocess
         backend copies its own host tree and keeps symlinks as links, never following
-        them; it is not a boundary.)
+        them; it is not a boundary.) docs/files.md has the details.
 
         Raises:
             SandboxFileNotFoundError: nothing at ``remote``.
             SandboxPermissionError: not readable.
             OutputLimitExceededError: the tree is larger than the config's ``read_limit``.
-            UnsafeArchiveMemberError: an unsafe member (above), or more members or deeper
-                paths than the extractor allows (the member count bound is never skipped).
-            SandboxInvalidArgumentError: a NUL byte in ``local``, a malformed ``remote``.
+            UnsafeArchiveMemberError: an unsafe member (above; the message names the option
+                that would take it), more members or deeper paths than the extractor allows
+                (the member count bound is never skipped), or a downloaded directory that
+                meets a link or a file inside an existing ``local``.
+            SandboxInvalidArgumentError: a NUL byte in ``local``, a malformed ``remote``, an
+                unknown ``links``, or a directory downloaded onto a file (or the reverse).
             SandboxError: the sandbox's archive of the tree is malformed.
         """
         self._check_open()
         check_local_path(local)
+        if links not in LINKS:
+            raise SandboxInvalidArgumentError(f"links must be one of {LINKS}, got {links!r}")
         resolved = self.resolve_path(remote)
         with self._guard("download", resolved):
-            await self._download(resolved, Path(local), skip_unsafe=skip_unsafe)
+            await download_staged(
+                Path(local),
+                lambda staged: self._download(
+                    resolved, staged, skip_unsafe=skip_unsafe, links=links
+                ),
+            )
 
     # ------------------------------------------------------------------ routes to the host
 
@@ -975,9 +1086,8 @@ class Runtime(Primitives, Keeping):
 
     def _check_open(self) -> None:
         if self._state != State.OPEN:
-            what = {State.NEW: "was never started", State.STARTING: "is still starting"}.get(
-                self._state, "is closed"
-            )
+            what = {State.NEW: f"was never started{NEVER_STARTED_HINT}"}.get(self._state)
+            what = what or {State.STARTING: "is still starting"}.get(self._state, "is closed")
             raise SandboxUnavailableError(f"{self.describe()} {what}")
 
     @contextmanager

@@ -14,7 +14,7 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from .errors import SandboxInvalidArgumentError
 from .models import DEFAULT_OUTPUT_LIMIT, DEFAULT_READ_LIMIT
-from .resources import ResourceLimits
+from .resources import ByteCount, ResourceLimits
 
 
 class RuntimeConfig(ResourceLimits):
@@ -34,8 +34,12 @@ class RuntimeConfig(ResourceLimits):
     workdir: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
-    output_limit: int = Field(default=DEFAULT_OUTPUT_LIMIT, gt=0)
-    read_limit: int = Field(default=DEFAULT_READ_LIMIT, gt=0)
+    output_limit: ByteCount = Field(
+        default=DEFAULT_OUTPUT_LIMIT, gt=0, description="bytes, or a size like '1GiB'"
+    )
+    read_limit: ByteCount = Field(
+        default=DEFAULT_READ_LIMIT, gt=0, description="bytes, or a size like '1GiB'"
+    )
     keep: bool = Field(default=False, description="leave the sandbox running after close()")
 
     def __hash__(self) -> int:
@@ -56,12 +60,14 @@ class RuntimeConfigError(SandboxInvalidArgumentError):
         self.errors = errors or []
 
 
-def config_error_from_validation(type_name: str, exc: ValidationError) -> RuntimeConfigError:
+def config_error_from_validation(
+    type_name: str, exc: ValidationError, model: type[RuntimeConfig] | None = None
+) -> RuntimeConfigError:
     from .plugins import validation_lines
 
     return RuntimeConfigError(
         f"invalid {type_name!r} runtime config:\n"
-        + "\n".join(f"  {line}" for line in validation_lines(exc)),
+        + "\n".join(f"  {line}" for line in validation_lines(exc, model)),
         [dict(e) for e in exc.errors(include_url=False, include_input=False)],
     )
 

@@ -18,12 +18,18 @@ import errno as _errno
 import os
 import posixpath
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from .models import ExecResult
 
 __all__ = [
+    "BuildContextError",
     "ChannelTamperedError",
+    "CommandFailedError",
     "ExecTimeoutError",
     "HostRouteError",
+    "ListingLimitExceededError",
     "OutputLimitExceededError",
     "ProvisioningError",
     "SandboxError",
@@ -200,6 +206,33 @@ class ExecTimeoutError(_CarriesOutput, SandboxError, TimeoutError):
         )
 
 
+class CommandFailedError(_CarriesOutput, SandboxError):
+    """``exec(..., check=True)``: the command ran and exited non-zero.
+
+    ``result`` is the :class:`~runtimes.models.ExecResult` ``exec`` would have returned;
+    ``argv``, ``exit_code``, ``stdout_bytes`` / ``stderr_bytes`` (and their text) are
+    copied from it. The message ends with the last lines of stderr, where the reason
+    usually is.
+    """
+
+    def __init__(self, argv: list[str], result: ExecResult):
+        self.argv = argv
+        self.result = result
+        self.exit_code = result.exit_code
+        self.stdout_bytes = result.stdout_bytes
+        self.stderr_bytes = result.stderr_bytes
+        tail = result.stderr.rstrip()[-_FAILED_TAIL:]
+        said = f": {tail}" if tail else ""
+        super().__init__(f"command {_short_argv(argv)} exited {result.exit_code}{said}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.argv, self.result))
+
+
+_FAILED_TAIL = 500
+"""Characters of stderr's end a :class:`CommandFailedError`'s message quotes."""
+
+
 class OutputLimitExceededError(_CarriesOutput, SandboxError):
     """Output of an exec, or the content of a read, went over its cap.
 
@@ -356,6 +389,39 @@ class ProvisioningError(SandboxError):
     """The sandbox could not be created: image missing, quota, authentication, bad host."""
 
 
+class BuildContextError(ProvisioningError):
+    """A Docker ``build`` context the host refuses to send to the engine: a symlink whose
+    target is absolute or leaves the context, a device, FIFO or socket, a path that changed
+    while it was read, or more than the context's size bound (``build.max_context``).
+    ``path`` is the offending path relative to the context ("" for the context itself)."""
+
+    def __init__(self, message: str, path: str = ""):
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.path))
+
+
+class ListingLimitExceededError(SandboxError):
+    """A listing (``list``, ``glob``) found more entries than its ``max_entries``, or its
+    answer went over the config's ``read_limit`` in bytes. Nothing is returned; ``path``
+    is what was listed, ``limit`` the bound and ``unit`` (``"entries"`` or ``"bytes"``)
+    which one."""
+
+    def __init__(self, path: str, limit: int, unit: str = "entries"):
+        self.path = path
+        self.limit = limit
+        self.unit = unit
+        hint = "max_entries" if unit == "entries" else "read_limit"
+        super().__init__(
+            f"listing of {path!r} exceeded the limit of {limit} {unit} (raise {hint} for more)"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.path, self.limit, self.unit))
+
+
 class UnsafeArchiveMemberError(SandboxError):
     """A directory download's archive holds a member that would not stay inside the
     destination, or that the host refuses to create.
@@ -364,17 +430,24 @@ class UnsafeArchiveMemberError(SandboxError):
     ``..`` name, a symlink whose target is absolute or climbs out of the destination, a
     path through a symlink, a hard link to anything not extracted by this download, a
     device or FIFO, or more members (or deeper paths) than the extractor allows.
-    ``member`` is the member's name as the archive spells it, ``reason`` says why.
-    Nothing outside the destination was created or changed.
+    ``member`` is the member's name as the archive spells it, ``reason`` says why, and
+    ``hint`` (in the message too) which ``download()`` option would take the member
+    (``skip_unsafe=True``, ``links="keep"``). Nothing was created or changed on the host:
+    a failed download leaves its destination exactly as it was.
     """
 
-    def __init__(self, member: str, reason: str):
+    def __init__(self, member: str, reason: str, hint: str = ""):
         self.member = member
         self.reason = reason
+        self.hint = hint
         super().__init__(f"unsafe archive member {member!r}: {reason}")
 
+    def __str__(self) -> str:
+        message = f"unsafe archive member {self.member!r}: {self.reason}"
+        return f"{message} ({self.hint})" if self.hint else message
+
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.member, self.reason))
+        return (type(self), (self.member, self.reason, self.hint))
 
 
 _ERRNO_CLASSES: dict[int, type[_SandboxOSError]] = {

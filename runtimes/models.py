@@ -68,10 +68,19 @@ class ExecResult:
         )
 
 
-def _preview(data: bytes, limit: int = 80) -> str:
-    if len(data) <= limit:
-        return repr(data)
-    return f"{data[:limit]!r}... ({len(data)} bytes)"
+REPR_HEAD = 160
+"""Characters of a stream's text an :class:`ExecResult`'s repr shows from the start."""
+REPR_TAIL = 80
+"""Characters it shows from the end (where a traceback's last line or an exit message is)."""
+
+
+def _preview(data: bytes) -> str:
+    """The text a user reads from ``.stdout`` / ``.stderr``, its middle cut when long."""
+    text = data.decode("utf-8", "replace")
+    if len(text) <= REPR_HEAD + REPR_TAIL:
+        return repr(text)
+    cut = len(text) - REPR_HEAD - REPR_TAIL
+    return f"{text[:REPR_HEAD]!r} [... {cut} chars ...] {text[-REPR_TAIL:]!r}"
 
 
 Stream = Literal["stdout", "stderr"]
@@ -104,7 +113,28 @@ class OutputSink:
     stderr: bytearray = field(default_factory=bytearray)
     overflowed: bool = False
     failure: BaseException | None = None
+    on_exit: Callable[[], None] = lambda: None
+    pid: int | None = None
+    """The command's pid (and process group) in the sandbox, once the backend knows it."""
+    exit_code: int | None = None
+    """The command's own exit status once the backend saw it exit, possibly before its
+    output ended (background processes may still hold its pipes)."""
+    detached: bool = False
+    """Set once the caller stopped waiting (the grace after the exit passed): later output is
+    read and discarded, so the processes still writing it neither block nor die of SIGPIPE."""
     _counted: int = 0
+
+    def exited(self, code: int) -> None:
+        """The backend saw the command itself exit with ``code`` (``128 + N`` for a death
+        by signal N); its output may go on until every process holding the pipes closed
+        them (``docs/processes.md``)."""
+        if self.exit_code is None:
+            self.exit_code = code
+            self.on_exit()
+
+    def detach(self) -> None:
+        """Stop keeping and passing on output: the caller has returned."""
+        self.detached = True
 
     @property
     def size(self) -> int:
@@ -119,6 +149,8 @@ class OutputSink:
         self.on_overflow()
 
     def feed(self, stream: Stream, data: bytes) -> bool:
+        if self.detached:
+            return True
         if self.overflowed or self.failure is not None:
             return False
         room = self.limit - self._counted

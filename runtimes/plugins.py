@@ -7,12 +7,14 @@ distribution that ships it; the other plugins are unaffected.
 
 from __future__ import annotations
 
+import difflib
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Generic, TypeVar, cast
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 T = TypeVar("T")
 
@@ -81,7 +83,9 @@ class PluginGroup(Generic[T]):
         ep = eps.get(name)
         if ep is None:
             known = ", ".join(sorted(eps)) or "none"
-            raise self._unknown_error(f"unknown {self.kind} {name!r} (registered: {known})")
+            raise self._unknown_error(
+                f"unknown {self.kind} {name!r}{did_you_mean(name, eps)} (registered: {known})"
+            )
         where = f"{self.kind} plugin {name!r} from package {_distribution(ep)!r} ({ep.value})"
         try:
             loaded = ep.load()
@@ -106,9 +110,26 @@ def _distribution(ep: EntryPoint) -> str:
     return ep.dist.name if ep.dist else "unknown distribution"
 
 
-def validation_lines(exc: ValidationError) -> list[str]:
-    """``field.path: message`` for each error, never echoing the input (secrets stay out)."""
-    return [
-        f"{'.'.join(str(p) for p in err['loc']) or '(config)'}: {err['msg']}"
-        for err in exc.errors(include_url=False, include_input=False)
-    ]
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean a, b?"`` naming up to three of ``known`` close to ``name`` (difflib),
+    or ``""`` when none is close: the hint every "unknown name" message of vf-sandbox ends
+    with (backend types, config keys, ``check --select``)."""
+    close = difflib.get_close_matches(name, list(known), n=3)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def validation_lines(exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
+    """``field.path: message`` for each error, never echoing the input (secrets stay out).
+
+    With ``model`` (the model that was validated), an unknown top-level key (pydantic's
+    ``extra_forbidden``) says which of its fields it may be a typo of.
+    """
+    fields = list(model.model_fields) if model is not None else []
+    lines = []
+    for err in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(p) for p in err["loc"]) or "(config)"
+        hint = ""
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            hint = did_you_mean(str(err["loc"][0]), fields)
+        lines.append(f"{where}: {err['msg']}{hint}")
+    return lines

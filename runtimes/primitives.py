@@ -23,6 +23,7 @@ from pathlib import Path
 
 import anyio
 
+from ._extract import Links
 from ._local_files import shell_error, tar_directory, untar_into, write_local_file
 from .channel import KILL_WAIT, ChannelHooks, ChannelInfo, ChannelSupervisor
 from .channel.agent.wire import KINDS, PathInfo
@@ -385,10 +386,13 @@ class Primitives(abc.ABC):
         if await self._routed_exec(request, sink) != 0:
             raise shell_error(remote, sink)
 
-    async def _download(self, remote: str, local: Path, *, skip_unsafe: bool = False) -> None:
-        """Copy ``remote`` to ``local``; a directory goes through
-        :func:`~runtimes._local_files.untar_into`, which treats the archive as hostile
-        (``skip_unsafe``: leave unsafe members out)."""
+    async def _download(
+        self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
+    ) -> None:
+        """Copy ``remote`` to ``local`` (a fresh path: the runtime stages downloads); a
+        directory goes through :func:`~runtimes._local_files.untar_into`, which treats the
+        archive as hostile (``skip_unsafe``: leave unsafe members out; ``links``: see
+        :data:`runtimes._extract.Links`)."""
         request, sink = self._internal(
             [
                 "sh",
@@ -416,7 +420,7 @@ class Primitives(abc.ABC):
         if code != 0:
             raise shell_error(remote, sink)
         await anyio.to_thread.run_sync(
-            lambda: untar_into(bytes(sink.stdout), local, skip_unsafe=skip_unsafe)
+            lambda: untar_into(bytes(sink.stdout), local, skip_unsafe=skip_unsafe, links=links)
         )
 
     def _internal(

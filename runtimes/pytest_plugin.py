@@ -20,7 +20,11 @@ how to get it; the fixtures never pull, a config with ``pull="missing"`` or ``"a
 * ``attached_container`` -- a running container started with testcontainers'
   ``DockerContainer`` (Ryuk disabled: the project sweeps its own labels), removed after
   the test; ``attached_container_config`` is a ``DockerConfig`` in attach mode on it and
-  ``attached_container_runtime`` an unstarted runtime on that config.
+  ``attached_container_runtime`` an unstarted runtime on that config: open it in the test
+  with ``async with attached_container_runtime as rt:`` (an operation before that raises
+  :class:`~runtimes.errors.SandboxUnavailableError` saying so). The fixtures are plain
+  functions so that they work under any async test plugin (anyio, pytest-asyncio, trio):
+  a runtime started in a fixture's own event loop could not be used from the test's.
 """
 
 from __future__ import annotations
@@ -114,6 +118,12 @@ def _missing_image_message(image: str) -> str:
             "checkout with `bash images/build-base.sh` (debootstraps Debian bookworm from your "
             "apt mirror, no registry needed), or give the fixture an image you have: "
             "docker_runtime_factory(image=...)"
+        )
+    elif image.startswith("vf-sandbox/"):
+        how = (
+            "vf-sandbox's images are in no registry: build them from a vf-sandbox source "
+            "checkout with `make images` (images/<name>/Dockerfile, on the offline base image), "
+            "or give the fixture an image you have: docker_runtime_factory(image=...)"
         )
     else:
         how = (
@@ -239,7 +249,10 @@ def attached_container_config(attached_container: Any) -> DockerConfig:
 
 @pytest.fixture
 def attached_container_runtime(attached_container_config: DockerConfig) -> Iterator[DockerRuntime]:
-    """An unstarted DockerRuntime attached to :func:`attached_container`.
+    """An unstarted DockerRuntime attached to :func:`attached_container`: open it in the
+    test with ``async with attached_container_runtime as rt:`` (using it before raises
+    ``SandboxUnavailableError`` saying so; a fixture cannot start it for the test's event
+    loop, whichever async plugin runs it).
 
     Closing it leaves the container running; the fixture removes the container afterwards.
     """

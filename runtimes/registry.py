@@ -85,7 +85,7 @@ def resolve_runtime_config(config: RuntimeConfig | Mapping[str, Any] | str) -> R
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise config_error_from_validation(type_name, exc) from None
+        raise config_error_from_validation(type_name, exc, model) from None
 
 
 def runtime_is_local(config: RuntimeConfig | Mapping[str, Any] | str) -> bool:

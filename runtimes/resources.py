@@ -10,7 +10,9 @@ none until they say so).
 ``memory`` is parsed by :func:`memory_mib`, the one validator of sizes: an int is MiB; a string
 is a number with an optional unit ``b``, ``k``, ``m``, ``g`` or ``t`` (any case, optionally
 followed by ``i`` and/or ``b``: ``"512m"``, ``"512MiB"``, ``"2GiB"``, ``"2g"``), always binary
-(1024-based, as Docker reads ``"512m"``); a bare number string is MiB like an int.
+(1024-based, as Docker reads ``"512m"``); a bare number string is MiB like an int. Byte counts
+(``output_limit``, ``read_limit``) take the same strings through :func:`byte_count`, where an
+int or a bare number string is bytes.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ __all__ = [
     "LIMIT_FIELDS",
     "MIB",
     "MIN_MEMORY_MIB",
+    "ByteCount",
     "DiskMiB",
     "MemoryMiB",
     "ResourceLimits",
+    "byte_count",
     "disk_mib",
     "format_mib",
     "memory_mib",
@@ -84,21 +88,60 @@ def memory_mib(value: Any) -> Any:
 
 
 def _parse_size(text: str) -> int:
-    match = _SIZE.match(text.strip())
-    if match is None:
+    try:
+        size, unitless = _size_bytes(text)
+    except ValueError:
         raise ValueError(
             f"memory must be MiB (an int) or a size with a unit like '512MiB', '2GiB' or "
             f"'512m', got {text!r}"
-        )
-    number, unit, _suffix = match.groups()
-    if unit is None:
-        if "." in number:
-            raise ValueError(f"memory must be a whole number of MiB, got {text!r}")
-        return int(number)
-    size = float(number) * _UNIT_BYTES[unit.lower()]
+        ) from None
+    if unitless:
+        size *= MIB
     if size % MIB:
         raise ValueError(f"memory must be a whole number of MiB, got {text!r}")
     return int(size) // MIB
+
+
+def _size_bytes(text: str) -> tuple[float, bool]:
+    """A size string as bytes (not yet checked to be whole), and whether it had no unit.
+
+    Raises:
+        ValueError: not a number with an optional unit.
+    """
+    match = _SIZE.match(text.strip())
+    if match is None:
+        raise ValueError(f"not a size: {text!r}")
+    number, unit, _suffix = match.groups()
+    if unit is None:
+        return float(number), True
+    return float(number) * _UNIT_BYTES[unit.lower()], False
+
+
+def byte_count(value: Any) -> Any:
+    """A count of bytes (``output_limit``, ``read_limit``, ``exec --output-limit``): an int is
+    bytes; a string is a size in the units of ``memory`` (``"1GiB"``, ``"512m"``, ``"64KiB"``,
+    binary), a bare number string is bytes like an int (pydantic before-validator: anything
+    else is left for pydantic to refuse).
+
+    Raises:
+        ValueError: a bool, not a size, or not a whole number of bytes.
+    """
+    if isinstance(value, bool):
+        raise ValueError("a byte count is an int or a size string like '1GiB', not a bool")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, str):
+        return value
+    try:
+        size, _unitless = _size_bytes(value)
+    except ValueError:
+        raise ValueError(
+            f"a byte count is an int (bytes) or a size with a unit like '64KiB', '1GiB' or "
+            f"'512m', got {value!r}"
+        ) from None
+    if not size.is_integer():
+        raise ValueError(f"a byte count must be a whole number of bytes, got {value!r}")
+    return int(size)
 
 
 def format_mib(mib: int) -> str:
@@ -107,6 +150,9 @@ def format_mib(mib: int) -> str:
 
 
 MemoryMiB = Annotated[int, BeforeValidator(memory_mib)]
+
+ByteCount = Annotated[int, BeforeValidator(byte_count)]
+"""Bytes: an int, or a size string in the units of ``memory`` (:func:`byte_count`)."""
 
 
 def disk_mib(value: Any) -> Any:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
+from ._extract import Links
 from .arguments import PathLike
 from .base import Runtime
 from .config import RuntimeConfig
@@ -32,6 +33,7 @@ from .errors import (
     ShellSessionError,
 )
 from .lifecycle import State
+from .listing import DEFAULT_MAX_ENTRIES, FileInfo
 from .models import ExecResult, Stream
 from .portal import (
     BlockingCallInEventLoopError,
@@ -59,6 +61,8 @@ log = logging.getLogger("runtimes")
 
 P = ParamSpec("P")
 T = TypeVar("T")
+Files = list[FileInfo]
+"""A listing (``list`` is a method's name inside :class:`SyncRuntime`)."""
 
 BACKENDS = ("asyncio", "trio")
 
@@ -336,6 +340,7 @@ class SyncRuntime:
         output_limit: int | None = None,
         on_output: Callable[[Stream, bytes], object] | None = None,
         keep_output: bool = True,
+        check: bool = False,
     ) -> ExecResult:
         """:meth:`Runtime.exec`, blocking. ``stdin`` may also be a plain iterable of bytes
         (each item pulled in a worker thread, so it may block waiting for input);
@@ -356,6 +361,7 @@ class SyncRuntime:
             output_limit=output_limit,
             on_output=on_output,
             keep_output=keep_output,
+            check=check,
         )
 
     def read(self, path: PathLike, *, max_bytes: int | None = None) -> bytes:
@@ -370,6 +376,18 @@ class SyncRuntime:
         """:meth:`Runtime.exists`. Raises: as it does."""
         return self._call(self._runtime.exists, path)
 
+    def stat(self, path: PathLike) -> FileInfo:
+        """:meth:`Runtime.stat`. Raises: as it does."""
+        return self._call(self._runtime.stat, path)
+
+    def list(self, path: PathLike = ".", *, max_entries: int = DEFAULT_MAX_ENTRIES) -> Files:
+        """:meth:`Runtime.list`. Raises: as it does."""
+        return self._call(self._runtime.list, path, max_entries=max_entries)
+
+    def glob(self, pattern: str, *, max_entries: int = DEFAULT_MAX_ENTRIES) -> Files:
+        """:meth:`Runtime.glob`. Raises: as it does."""
+        return self._call(self._runtime.glob, pattern, max_entries=max_entries)
+
     def remove(self, path: PathLike, *, missing_ok: bool = False) -> None:
         """:meth:`Runtime.remove`. Raises: as it does."""
         self._call(self._runtime.remove, path, missing_ok=missing_ok)
@@ -378,9 +396,16 @@ class SyncRuntime:
         """:meth:`Runtime.upload`. Raises: as it does."""
         self._call(self._runtime.upload, local, remote)
 
-    def download(self, remote: PathLike, local: PathLike, *, skip_unsafe: bool = False) -> None:
+    def download(
+        self,
+        remote: PathLike,
+        local: PathLike,
+        *,
+        skip_unsafe: bool = False,
+        links: Links = "contained",
+    ) -> None:
         """:meth:`Runtime.download`. Raises: as it does."""
-        self._call(self._runtime.download, remote, local, skip_unsafe=skip_unsafe)
+        self._call(self._runtime.download, remote, local, skip_unsafe=skip_unsafe, links=links)
 
     def stop_processes(self) -> int:
         """:meth:`Runtime.stop_processes`. Raises: as it does."""

@@ -325,8 +325,9 @@ def test_docker_shell_argv_asks_for_a_terminal_only_on_a_tty(kept_containers: li
         )
 
     on_tty, piped = anyio.run(argvs)
-    assert on_tty[1:] == ["exec", "-i", "-t", "-w", "/srv/w", kept_containers[0], "/bin/sh"]
-    assert piped[1:] == ["exec", "-i", "-w", "/srv/w", kept_containers[0], "/bin/sh"]
+    # The default image has bash: the shell is bash (/bin/sh without it: tests/security).
+    assert on_tty[1:] == ["exec", "-i", "-t", "-w", "/srv/w", kept_containers[0], "/bin/bash"]
+    assert piped[1:] == ["exec", "-i", "-w", "/srv/w", kept_containers[0], "/bin/bash"]
 
 
 def test_shell_without_the_docker_cli_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

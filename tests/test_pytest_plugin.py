@@ -136,3 +136,36 @@ def test_no_engine_skips_or_fails_with_a_message(pytester: pytest.Pytester) -> N
     )
     assert "make test" not in failed.stdout.str()
     _assert_no_traceback(failed)
+
+
+def test_missing_project_image_says_make_images_not_pull() -> None:
+    message = _missing_image_message("vf-sandbox/python:latest")
+    assert "make images" in message and "docker pull" not in message
+
+
+def test_attached_container_runtime_used_unstarted_says_how_to_open_it(
+    pytester: pytest.Pytester,
+) -> None:
+    """The fixture hands out an unstarted runtime (it cannot start one for the test's event
+    loop); using it as if started fails with a message that says how to open it."""
+    result = _run(
+        pytester,
+        """
+        import anyio
+
+        def test_forgot_to_open(attached_container_runtime):
+            async def body():
+                await attached_container_runtime.exec(["true"])
+            anyio.run(body)
+
+        def test_opened(attached_container_runtime):
+            async def body():
+                async with attached_container_runtime as rt:
+                    assert (await rt.exec(["pwd"])).stdout == "/srv\\n"
+            anyio.run(body)
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*was never started: open it first, with `async with runtime as rt:`*"]
+    )

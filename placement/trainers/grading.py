@@ -16,18 +16,16 @@ gives no advantage). Never ``0.0``.
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from harnesses.base import Trace, Turn
+from harnesses.base import Trace
 from harnesses.errors import SessionError
-from harnesses.llm import ChatReply, Message, ToolCall
+from harnesses.llm import Message
 from harnesses.session import (
     RolloutRecord,
     Verification,
@@ -36,6 +34,7 @@ from harnesses.session import (
     run_verify,
 )
 from placement.errors import RecordInvalid
+from placement.traces import trace_from_messages
 from runtimes import Runtime
 
 __all__ = ["Graded", "grade", "transcript_trace", "unscored"]
@@ -84,62 +83,17 @@ def scored(verification: Verification, trace: Trace | None) -> Graded:
     return Graded(verification.reward, metrics, artifacts)
 
 
-def _tool_calls(message: Mapping[str, Any]) -> list[ToolCall]:
-    """The message's tool calls (OpenAI's ``{"id", "function": {...}}`` or a flat
-    ``{"name", "arguments"}``). Raises: RecordInvalid (not a list of such mappings)."""
-    raw_calls = message.get("tool_calls") or []
-    if not isinstance(raw_calls, list):
-        raise RecordInvalid(f"tool_calls is a {type(raw_calls).__name__}, not a list")
-    calls = []
-    for index, raw in enumerate(raw_calls):
-        function = raw.get("function", raw) if isinstance(raw, Mapping) else None
-        if not isinstance(function, Mapping):
-            raise RecordInvalid(f"tool call {index} is not a mapping with a function")
-        arguments = function.get("arguments", {})
-        try:
-            text = arguments if isinstance(arguments, str) else json.dumps(arguments)
-        except (TypeError, ValueError) as exc:
-            raise RecordInvalid(f"tool call {index}'s arguments are not JSON: {exc}") from None
-        call_id = raw.get("id") if isinstance(raw, Mapping) else None
-        calls.append(
-            ToolCall(id=str(call_id or f"call_{index}"), name=str(function.get("name", "")),
-                     arguments=text)
-        )  # fmt: skip
-    return calls
-
-
 def transcript_trace(messages: Sequence[Message], harness: str = "trainer") -> Trace:
     """A :class:`~harnesses.base.Trace` of a conversation the trainer's own loop ran on the
-    host (white-box): one turn per assistant message, its request the messages before it.
-    Judges read it as they read a harness's trace (``transcript.md``).
+    host (white-box), by the one converter :func:`placement.traces.trace_from_messages`:
+    one turn per assistant message (its request the messages before it, the tool messages
+    after it its tool results). Judges read it as they read a harness's trace.
 
     Raises:
-        RecordInvalid: a message that is not a mapping, or an unreadable tool call.
+        RecordInvalid: a message that is not a chat message, an unreadable tool call, a
+            tool message that follows no assistant message, a field a trace cannot hold.
     """
-    now = _dt.datetime.now(_dt.UTC)
-    trace = Trace(harness=harness)
-    messages = list(messages)
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise RecordInvalid(f"message {index} is a {type(message).__name__}, not a mapping")
-        if message.get("role") != "assistant":
-            continue
-        content = message.get("content")
-        reply = ChatReply(
-            content=content if isinstance(content, str) else None, tool_calls=_tool_calls(message)
-        )
-        trace.turns.append(
-            Turn(
-                index=len(trace.turns),
-                started_at=now,
-                request_messages=messages[:index],
-                reply=reply,
-            )
-        )
-        if reply.content:
-            trace.output = reply.content
-    trace.finished_at = now
-    return trace
+    return trace_from_messages(messages, harness=harness)
 
 
 async def grade(

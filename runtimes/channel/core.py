@@ -182,7 +182,7 @@ class Channel(FramedStream):
                 lambda: self._feed_stdin(pending.rid, source, sink, state),
             )
         except BaseException as exc:
-            if not state.finished and not isinstance(exc, SandboxGone):
+            if not state.finished and not isinstance(exc, SandboxGone) and not sink.detached:
                 with anyio.CancelScope(shield=True):
                     await self._kill(pending, state.pgid)
             raise
@@ -207,7 +207,7 @@ class Channel(FramedStream):
                 state.in_flight = self._acked(state.in_flight, payload)
                 state.window_opened.set()
             elif kind == wire.STARTED:
-                state.pgid = self._number(U32, payload, "STARTED")
+                state.pgid = sink.pid = self._number(U32, payload, "STARTED")
                 state.started.set()
             elif kind == wire.STDIN_CLOSED:
                 state.stdin_closed = True

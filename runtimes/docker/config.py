@@ -15,6 +15,7 @@ from pydantic import (
 from ..config import RuntimeConfig, absolute_workdir
 from ..policy import DEFAULT_POLICY_USER, validate_policy_user
 from ..resources import LIMIT_FIELDS, DiskMiB, MemoryMiB, format_mib
+from .build_context import BuildSpec, is_dockerfile_path, spec_from_dockerfile
 from .mounts import MountSpec, check_mounts
 from .ports import PortSpec, check_ports, parse_port
 
@@ -79,7 +80,11 @@ class DockerConfig(RuntimeConfig):
     count), ``creations_per_second`` paces creations; ``None`` disables the pacing.
     ``ports`` (published on ``127.0.0.1`` by default; needs a network), ``mounts`` (bind
     mounts, volumes), ``gpus`` and ``pull`` (``never``/``missing``/``always``, bounded by
-    ``pull_timeout``) apply to owned sandboxes (``docs/docker.md``). ``snapshot_timeout``
+    ``pull_timeout``) apply to owned sandboxes (``docs/docker.md``). ``build`` (a
+    :class:`~.build_context.BuildSpec`: ``{"context": "dir", "dockerfile": "Dockerfile",
+    "args": {...}}``) builds the image from a Dockerfile instead, cached by content and never
+    pulling; ``image="dir/Dockerfile"`` is short for ``build={"context": "dir"}`` (as on
+    Modal). ``snapshot_timeout``
     bounds the engine's commit of ``rt.snapshot()`` (``docs/snapshots.md``).
     """
 
@@ -117,6 +122,9 @@ class DockerConfig(RuntimeConfig):
         default="never", description="when to pull image from its registry"
     )
     pull_timeout: float = Field(default=600.0, gt=0, description="seconds one pull may take")
+    build: BuildSpec | None = Field(
+        default=None, description="build the image from a Dockerfile (context, dockerfile, args)"
+    )
     snapshot_timeout: float = Field(
         default=600.0, gt=0, description="seconds the engine may take to commit a snapshot"
     )
@@ -160,6 +168,34 @@ class DockerConfig(RuntimeConfig):
         if isinstance(data, dict) and data.get("container"):
             data = {"memory": None, "pids_limit": None, **data}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dockerfile_image(cls, data: Any) -> Any:
+        """``image="dir/Dockerfile"`` (Modal's spelling) builds it: ``build={"context": "dir"}``;
+        ``image`` and ``build`` together are refused (the build makes the image)."""
+        if not isinstance(data, dict):
+            return data
+        image = data.get("image")
+        if data.get("build") is not None and image is not None:
+            raise ValueError(
+                "image and build exclude each other: build makes the sandbox's image "
+                f"(tagged vf-sandbox/build:<content hash>); drop image={image!r}"
+            )
+        if isinstance(image, str) and is_dockerfile_path(image):
+            data = {**data, "build": spec_from_dockerfile(image)}
+            del data["image"]
+        return data
+
+    @field_validator("build")
+    @classmethod
+    def _build_offline(cls, value: BuildSpec | None, info: ValidationInfo) -> BuildSpec | None:
+        if value is not None and info.data.get("pull", "never") != "never":
+            raise ValueError(
+                "build never pulls (its FROM images must be on the engine): drop pull="
+                f"{info.data.get('pull')!r}"
+            )
+        return value
 
     @field_validator("cap_add", mode="before")
     @classmethod
@@ -216,7 +252,7 @@ class DockerConfig(RuntimeConfig):
             return tuple(parse_port(entry) for entry in value)
         return value
 
-    @field_validator("ports", "mounts", "gpus", "pull")
+    @field_validator("ports", "mounts", "gpus", "pull", "build")
     @classmethod
     def _owned_only(cls, value: object, info: ValidationInfo) -> object:
         if info.data.get("container") and value not in ((), None, "never"):

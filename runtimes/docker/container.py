@@ -24,6 +24,7 @@ from .. import ownership
 from ..errors import ProvisioningError, SandboxTransportError
 from ..resources import MIB
 from ..scripts import load
+from .build import how_to_get
 from .client import _api_message, _blocking, _engine_name
 from .config import DEFAULT_CAPABILITIES, DEFAULT_WORKDIR, DockerConfig
 from .mounts import VOLUME_LABEL, engine_mounts
@@ -53,8 +54,7 @@ async def check_image(client: docker.DockerClient, cfg: DockerConfig) -> str:
     if image is None and cfg.pull == "never":
         raise ProvisioningError(
             f"docker image {cfg.image!r} is not present on {_engine_name(cfg)} "
-            "(pull='never'): build or load it first (docker build / docker load), "
-            "or set pull='missing' to pull it from its registry"
+            f"(pull='never'): {how_to_get(cfg.image)}"
         )
     if image is None:
         raise ProvisioningError(
@@ -200,7 +200,7 @@ def create_and_start_blocking(
         container.start()
     except docker.errors.ImageNotFound:
         raise ProvisioningError(
-            f"docker image {cfg.image!r} is not present (never pulled)"
+            f"docker image {cfg.image!r} is not present (never pulled): {how_to_get(cfg.image)}"
         ) from None
     except docker.errors.APIError as exc:
         raise ProvisioningError(

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._extract import extract_archive
+from .._extract import Links, extract_archive
 from .._local_files import write_local_file
 from ..errors import (
     OutputLimitExceededError,
@@ -158,13 +158,15 @@ def _tree_tar(source: Path) -> bytes:
     return buf.getvalue()
 
 
-def _extract_tree(archive: Any, top: str, local: Path, *, skip_unsafe: bool = False) -> None:
+def _extract_tree(
+    archive: Any, top: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
+) -> None:
     """Extract a directory's archive into ``local``, dropping the top component ``top``.
 
     The engine archives the sandbox's own files, which a policy arranged: the archive is
     unpacked as hostile (:mod:`runtimes._extract`), never trusting ``tarfile``'s filter.
     """
-    extract_archive(archive, local, skip_unsafe=skip_unsafe, strip=top)
+    extract_archive(archive, local, skip_unsafe=skip_unsafe, strip=top, links=links)
 
 
 def _single_file(response: requests.Response, path: str, limit: int) -> bytes:
@@ -387,7 +389,12 @@ class _ContainerArchive:
             raise SandboxFileNotFoundError(remote, "the directory vanished")
 
     def download_blocking(
-        self, remote: str, local: Path, limit: int, skip_unsafe: bool = False
+        self,
+        remote: str,
+        local: Path,
+        limit: int,
+        skip_unsafe: bool = False,
+        links: Links = "contained",
     ) -> None:
         self.check_running_blocking()
         target, stat = self._resolved_stat_blocking(remote)
@@ -409,4 +416,4 @@ class _ContainerArchive:
                 spool.write(chunk)
             spool.seek(0)
             top = posixpath.basename(target.rstrip("/")) or "."
-            _extract_tree(spool, top, local, skip_unsafe=skip_unsafe)
+            _extract_tree(spool, top, local, skip_unsafe=skip_unsafe, links=links)

@@ -102,6 +102,9 @@ class _ExecOutput:
         was_done = self.reader.done
         stderr = self.reader.feed(payload)
         ok = True
+        report = self.reader.report
+        if not was_done and report is not None and report.ok:
+            self.sink.pid = report.pgid
         if not was_done and self.reader.done and self._held_stdout:
             ok = self.sink.feed("stdout", bytes(self._held_stdout))
             self._held_stdout.clear()
@@ -179,6 +182,38 @@ async def await_announcement(stream: _ExecStream, output: _ExecOutput) -> None:
             if not chunk:
                 return
             output.feed(chunk)
+
+
+EXIT_WATCH_FIRST = 0.05
+"""Seconds into a command before the engine is first asked whether it exited (most commands
+have closed their output by then, and are never asked about)."""
+EXIT_WATCH_MAX = 1.0
+"""The longest gap between two such questions for a long command."""
+
+
+async def watch_exit(ref: _ContainerRef, exec_id: str, output: _ExecOutput) -> None:
+    """Tell the sink when the command itself exited, while its output is still open
+    (background processes inherited the pipes): the engine's exec inspection, asked with a
+    growing gap (:data:`EXIT_WATCH_FIRST` to :data:`EXIT_WATCH_MAX`). Cancelled when the
+    output ends; an engine that does not answer leaves the exit to the end of the output."""
+    import docker.errors
+
+    gap = EXIT_WATCH_FIRST
+    while True:
+        await anyio.sleep(gap)
+        gap = min(gap * 2, EXIT_WATCH_MAX)
+        if output.pgid is None:
+            continue  # not running yet (or it never will: the stream tells)
+        try:
+            info = await _blocking(  # abandoned when the output ends first
+                lambda: ref.api.exec_inspect(exec_id), ref.config, abandon_on_cancel=True
+            )
+        except (docker.errors.APIError, SandboxError):
+            return
+        code = info.get("ExitCode")
+        if not info.get("Running") and isinstance(code, int):
+            output.sink.exited(code)
+            return
 
 
 async def wait_for_exit(ref: _ContainerRef, exec_id: str) -> dict[str, Any]:

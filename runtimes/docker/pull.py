@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ..errors import ProvisioningError, SandboxTransportError
+from .build import how_to_get
 from .client import _api_message, _blocking, _engine_name
 from .config import DockerConfig
 
@@ -34,6 +35,14 @@ def _split_reference(image: str) -> tuple[str, str]:
 
     repo, tag = parse_repository_tag(image)
     return repo, tag or "latest"
+
+
+def _pull_failed(cfg: DockerConfig, reason: str) -> str:
+    """A failed pull's message; the project's own images are in no registry: how to build."""
+    message = f"pulling {cfg.image!r} failed: {reason}"
+    if cfg.image.startswith("vf-sandbox/"):
+        message += f"; {how_to_get(cfg.image)}"
+    return message
 
 
 def _pull_blocking(
@@ -62,12 +71,12 @@ def _pull_blocking(
             if "error" in event:
                 detail = event.get("errorDetail") or {}
                 raise ProvisioningError(
-                    f"pulling {cfg.image!r} failed: {detail.get('message') or event['error']}"
+                    _pull_failed(cfg, str(detail.get("message") or event["error"]))
                 )
             if stop.is_set() or time.monotonic() > deadline:
                 raise _PullStopped
     except docker.errors.APIError as exc:
-        raise ProvisioningError(f"pulling {cfg.image!r} failed: {_api_message(exc)}") from exc
+        raise ProvisioningError(_pull_failed(cfg, _api_message(exc))) from exc
     finally:
         with contextlib.suppress(Exception):
             response.close()

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._extract import Links
 from .._local_files import shell_error
 from ..base import Runtime
 from ..channel import ChannelHooks, ChannelTransport
@@ -55,6 +56,7 @@ from ..snapshot import UNTRUSTED, SandboxSnapshot, SnapshotUnsupportedError
 from ..sweep import MARK_VAR, ORPHAN_KILL_SCRIPT, sweep_argv
 from ..wrapper import ReportReader, new_nonce
 from .agent import _untrusted_change, _untrusted_python, judge_untrusted, open_agent_stream
+from .build import ensure_built
 from .client import (
     KILL_WAIT,
     _api_message,
@@ -90,6 +92,7 @@ from .process import (
     await_announcement,
     start_exec,
     wait_for_exit,
+    watch_exit,
 )
 from .snapshots import (
     commit_snapshot,
@@ -279,10 +282,16 @@ class DockerRuntime(Runtime):
         the image is there (pulled as ``pull`` says).
 
         Raises:
-            ProvisioningError: the image is missing (see ``check_image``).
+            ProvisioningError: the image is missing (see ``check_image``), or building it
+                from ``build`` failed (see ``ensure_built``).
+            BuildContextError: ``build``'s context is refused.
             SnapshotNotFoundError: the snapshot's image is gone.
         """
         client, snap = self._require_client(), self._snapshot_source
+        if snap is None and self.config.build is not None:
+            built = await ensure_built(client, self.config)
+            cfg = self.config.model_copy(update={"image": built})
+            return cfg, await check_image(client, cfg)
         if snap is None:
             return self.config, await check_image(client, self.config)
         settings = await snapshot_image_config(client, snap, self.config)
@@ -559,13 +568,15 @@ class DockerRuntime(Runtime):
                 output.feed(hijacked.leftover)
             async with anyio.create_task_group() as tg:
                 _start_stdin(tg, stream, request.stdin, sink)
+                tg.start_soon(watch_exit, self._ref(), hijacked.exec_id, output)
                 await _pump(stream, output)
                 tg.cancel_scope.cancel()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await await_announcement(stream, output)
                 await _close_exec_stream(stream, hijacked)
-                await self._kill_group(output.pgid)
+                if not sink.detached:  # else the command exited: what is left is the sweep's
+                    await self._kill_group(output.pgid)
             raise
         with anyio.CancelScope(shield=True):
             await _close_exec_stream(stream, hijacked)
@@ -741,13 +752,15 @@ class DockerRuntime(Runtime):
         archive = self._archive()
         await _blocking(lambda: archive.upload_tree_blocking(tree, remote), self.config)
 
-    async def _download(self, remote: str, local: Path, *, skip_unsafe: bool = False) -> None:
+    async def _download(
+        self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
+    ) -> None:
         if not self._files_as_root:
-            await super()._download(remote, local, skip_unsafe=skip_unsafe)
+            await super()._download(remote, local, skip_unsafe=skip_unsafe, links=links)
             return
         archive, limit = self._archive(), self.config.read_limit
         await _blocking(
-            lambda: archive.download_blocking(remote, local, limit, skip_unsafe),
+            lambda: archive.download_blocking(remote, local, limit, skip_unsafe, links),
             self.config,
             idempotent=True,
         )

@@ -162,6 +162,8 @@ class _ModalExec(_SdkRuntime):
         code = -1
         drain_scope = anyio.CancelScope(shield=True)
         stdin_scope = anyio.CancelScope()
+        watch_scope = anyio.CancelScope()
+        drained = False
 
         def feed_stdout(chunk: bytes) -> bool:
             return sink.feed("stdout", chunk)
@@ -179,19 +181,30 @@ class _ModalExec(_SdkRuntime):
                     work.cancel_scope.cancel()
 
             async def drain() -> None:
+                nonlocal drained
                 with drain_scope:
                     async with anyio.create_task_group() as pumps:
                         pumps.start_soon(record, lambda: _pump(process.stdout, feed_stdout))
                         pumps.start_soon(record, lambda: _pump(process.stderr, feed_stderr))
+                drained = True
+                watch_scope.cancel()  # ends wait()'s watch after the exit, if it is there
 
             async def wait() -> None:
                 nonlocal code
                 try:
                     code = await _call(process.wait)
                     stdin_scope.cancel()
+                    if code != -1:  # the exit, maybe before the output ends (docs/processes.md)
+                        sink.exited(code)
+                    # Background processes may hold the output open: a cancellation from
+                    # here on still has to bound the drain (below).
+                    with watch_scope:
+                        if not drained:
+                            await anyio.sleep_forever()
                 except BaseException:
                     with anyio.CancelScope(shield=True):
-                        await self._kill_tree(sandbox, nonce)
+                        if not sink.detached:  # else it exited: what is left is the sweep's
+                            await self._kill_tree(sandbox, nonce)
                         drain_scope.deadline = anyio.current_time() + DRAIN_AFTER_KILL
                     raise
 

@@ -117,11 +117,17 @@ class _RemoteCommand:
     it; ``reader.held``: what came when the stream ended without one)."""
 
     def __init__(
-        self, channel: paramiko.Channel, nonce: str, deliver: Callable[[Stream, bytes], bool]
+        self,
+        channel: paramiko.Channel,
+        nonce: str,
+        deliver: Callable[[Stream, bytes], bool],
+        exited: Callable[[int], None] = lambda code: None,
     ):
         self.channel = channel
         self.reader = ReportReader(nonce)
         self._deliver = deliver
+        self._exited = exited
+        self._exit_told = False
         self.pgid: int | None = None
         self.exit_status: int | None = None
         self.failure: BaseException | None = None
@@ -169,7 +175,14 @@ class _RemoteCommand:
                     self.header_seen.set()  # EOF: no header is coming any more
                     self.exit_status = channel.recv_exit_status()
                     return
-                wake.wait(1.0)  # the timeout only guards against a lost wake-up
+                if not self._exit_told and channel.exit_status_ready():
+                    # sshd tells the exit when the wrapper exits, before the pipes its
+                    # background processes inherited close.
+                    self._exit_told = True
+                    if not header_only:
+                        self._exited(channel.recv_exit_status())
+                # The exit-status message sets no buffer event: look again soon for it.
+                wake.wait(1.0 if self._exit_told else _EXIT_LOOK)
         except (OSError, EOFError, paramiko.SSHException) as exc:
             self.failure = exc
         finally:
@@ -226,6 +239,20 @@ def _start_command(
     except BaseException:
         channel.close()
         raise
+
+
+_EXIT_LOOK = 0.05
+"""Seconds between looks for the exit-status message while the output is still open."""
+
+
+def _sink_exited(sink: OutputSink) -> Callable[[int], None]:
+    """Tell the sink of the exit on the event loop thread."""
+
+    def exited(code: int) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone
+            anyio.from_thread.run_sync(sink.exited, code)
+
+    return exited
 
 
 def _sink_feeder(sink: OutputSink) -> Callable[[Stream, bytes], bool]:

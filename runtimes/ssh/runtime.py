@@ -16,6 +16,7 @@ import anyio
 import anyio.to_thread
 
 from .. import ownership
+from .._extract import Links
 from ..arguments import text_bytes
 from ..base import MARK_VAR, sweep_argv
 from ..channel import (
@@ -61,6 +62,7 @@ from .process import (
     _AgentTransport,
     _command_line,
     _RemoteCommand,
+    _sink_exited,
     _sink_feeder,
     _start_command,
     _Tools,
@@ -430,7 +432,7 @@ class SSHRuntime(_ConnectedRuntime):
             command = _command_line([*self._limits, *short])
         async with self._exec_slots:
             conn, channel = await self._retrying(self._open_channel)
-            remote = _RemoteCommand(channel, nonce, _sink_feeder(sink))
+            remote = _RemoteCommand(channel, nonce, _sink_feeder(sink), _sink_exited(sink))
             try:
                 # Not retried from here on: the command may have started. Shielded so a
                 # cancellation finds the command either not sent or sent and abortable.
@@ -440,7 +442,8 @@ class SSHRuntime(_ConnectedRuntime):
                     return await self._run_remote(conn, remote, request, sink)
                 except BaseException:
                     with anyio.CancelScope(shield=True):
-                        await self._abort(remote)
+                        # Once the caller returned at the exit, what is left is the sweep's.
+                        await self._abort(remote, kill=not sink.detached)
                     raise
             finally:
                 with anyio.CancelScope(shield=True):
@@ -513,8 +516,9 @@ class SSHRuntime(_ConnectedRuntime):
             log.debug("%s: login shell said on stderr: %r", self.describe(), noise)
         return remote.exit_status
 
-    async def _abort(self, remote: _RemoteCommand) -> None:
-        """Kill the command's process group (shielded by the caller), then drop the channel."""
+    async def _abort(self, remote: _RemoteCommand, *, kill: bool = True) -> None:
+        """Kill the command's process group (shielded by the caller; not without ``kill``),
+        then drop the channel."""
         if remote.finished:
             return
         report = remote.reader.report
@@ -523,7 +527,7 @@ class SSHRuntime(_ConnectedRuntime):
                 # Cancelled before its pump ran: read just the header on a thread of our own.
                 threading.Thread(target=remote.pump, args=(True,), daemon=True).start()
             await anyio.to_thread.run_sync(remote.header_seen.wait, _HEADER_WAIT)
-        if remote.pgid is not None:
+        if remote.pgid is not None and kill:
             try:
                 await self._control(_kill_script([remote.pgid]), timeout=self._kill_wait)
             except SandboxError as exc:
@@ -534,7 +538,7 @@ class SSHRuntime(_ConnectedRuntime):
                     exc,
                 )
                 self._remember_orphan(remote.pgid)
-        elif report is None or report.ok:
+        elif kill and (report is None or report.ok):
             log.warning("%s: a cancelled command never reported its process group", self.describe())
         await anyio.to_thread.run_sync(remote.channel.close)
         if remote.started:
@@ -565,11 +569,13 @@ class SSHRuntime(_ConnectedRuntime):
     async def _exists(self, path: str) -> bool:
         return await self._retrying(self._sftp_call, _sftp_exists, path)
 
-    async def _download(self, remote: str, local: Path, *, skip_unsafe: bool = False) -> None:
+    async def _download(
+        self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
+    ) -> None:
         parent = super()._download
 
         async def download() -> None:
-            await parent(remote, local, skip_unsafe=skip_unsafe)
+            await parent(remote, local, skip_unsafe=skip_unsafe, links=links)
 
         await self._retrying(download)
 

@@ -29,13 +29,18 @@ class _ExitWatch:
         self._process = process
         self.pidfd: int | None = None
 
+    def open_pidfd(self) -> int | None:
+        """The child's pidfd (readable once it exited), ``None`` where there is none."""
+        if self.pidfd is None:
+            with contextlib.suppress(AttributeError, OSError):
+                self.pidfd = os.pidfd_open(self._process.pid)
+        return self.pidfd
+
     async def wait(self) -> int:
         process = self._process
         if (code := process.poll()) is not None:
             return code
-        if self.pidfd is None:
-            with contextlib.suppress(AttributeError, OSError):
-                self.pidfd = os.pidfd_open(process.pid)
+        self.open_pidfd()
         if self.pidfd is None:
             return await anyio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
         while (code := process.poll()) is None:
@@ -84,6 +89,11 @@ class _EpollPump:
         if process.stdin is not None:
             self._stdin_fd = process.stdin.fileno()
             self._watch(self._stdin_fd, select.EPOLLOUT)
+        # The exit is reported the moment it happens (the pipes may outlive it: background
+        # processes inherited them), where a pidfd can be had.
+        self._pidfd = exit_watch.open_pidfd()
+        if self._pidfd is not None:
+            self._epoll.register(self._pidfd, select.EPOLLIN)
 
     def _watch(self, fd: int, events: int) -> None:
         os.set_blocking(fd, False)
@@ -111,6 +121,10 @@ class _EpollPump:
                 self._feed()
             elif fd in self._outputs:
                 self._read(fd)
+            elif fd == self._pidfd and (code := self._process.poll()) is not None:
+                self._epoll.unregister(fd)
+                self._pidfd = None
+                self._sink.exited(128 - code if code < 0 else code)
 
     def _read(self, fd: int) -> None:
         try:
@@ -174,6 +188,7 @@ async def _pump_with_stdin_source(
     async def outputs_then_exit() -> int:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_drain, stderr, sink, "stderr")
+            tg.start_soon(report_exit, exit_watch, sink)
             await _drain(stdout, sink, "stdout")
         return await exit_watch.wait()
 
@@ -215,6 +230,12 @@ async def _drain(fd: int, sink: OutputSink, name: Stream) -> None:
             continue
         if not data or not sink.feed(name, data):
             return
+
+
+async def report_exit(exit_watch: _ExitWatch, sink: OutputSink) -> None:
+    """Tell the sink the command exited as soon as it does (its pipes may stay open)."""
+    code = await exit_watch.wait()
+    sink.exited(128 - code if code < 0 else code)
 
 
 def _kill_group(pgid: int) -> None:

@@ -15,6 +15,7 @@ import anyio
 import anyio.abc
 
 from .. import ownership
+from .._extract import Links
 from ..base import Runtime
 from ..config import RuntimeConfig
 from ..errors import (
@@ -46,6 +47,7 @@ from .process import (
     _kill_group,
     _pump_with_stdin_source,
     _spawn_error,
+    report_exit,
 )
 from .snapshots import copy_snapshot_into, destroy_snapshot_dir, scan_snapshots, take_snapshot
 from .sweep import (
@@ -296,6 +298,7 @@ class SubprocessRuntime(Runtime):
         except OSError as exc:
             raise _spawn_error(exc, request) from None
         self._sessions[process.pid] = _start_ticks(process.pid)
+        sink.pid = process.pid
         exit_watch = _ExitWatch(process)
         assert process.stdout is not None and process.stderr is not None
         try:
@@ -309,13 +312,17 @@ class SubprocessRuntime(Runtime):
                     if process.stdin is not None:
                         tg.start_soon(_feed_stdin, process.stdin, stdin)
                     tg.start_soon(_drain, process.stderr.fileno(), sink, "stderr")
+                    tg.start_soon(report_exit, exit_watch, sink)
                     await _drain(process.stdout.fileno(), sink, "stdout")
-                    code = await exit_watch.wait()
+                code = await exit_watch.wait()
         except BaseException:
-            # Timeout, output cap or caller cancellation: the whole group goes, now.
+            # Timeout, output cap or caller cancellation: the whole group goes, now. Not
+            # once the caller returned at the exit (sink.detached): what is left of the
+            # group is the sweep's, close()'s or a kept sandbox's.
             with anyio.CancelScope(shield=True):
-                _kill_group(process.pid)
-                await exit_watch.wait()
+                if not sink.detached:
+                    _kill_group(process.pid)
+                    await exit_watch.wait()
             raise
         finally:
             exit_watch.close()
@@ -351,7 +358,10 @@ class SubprocessRuntime(Runtime):
     async def _upload(self, source: Path, remote: str) -> None:
         await anyio.to_thread.run_sync(_copy_tree, source, Path(remote), remote)
 
-    async def _download(self, remote: str, local: Path, *, skip_unsafe: bool = False) -> None:
+    async def _download(
+        self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
+    ) -> None:
+        # the host's own tree, copied keeping every link as a link (never followed)
         await anyio.to_thread.run_sync(_download_tree, remote, local, self.config.read_limit)
 
     async def stop_processes(self) -> int:

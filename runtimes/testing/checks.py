@@ -164,7 +164,9 @@ class CheckOutcome:
 from . import (  # noqa: E402, F401
     exec_checks,
     file_checks,
+    listing_checks,
     path_checks,
+    process_checks,
     shell_checks,
     stdin_checks,
     stream_checks,

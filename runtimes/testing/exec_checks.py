@@ -400,7 +400,11 @@ async def check_user(rt: Runtime) -> None:
     SandboxPermissionError)."""
     if await _is_root(rt):
         result = await rt.exec(["id", "-un"], user="nobody")
-        assert result.stdout.strip() == "nobody", result
+        got = result.stdout.strip()
+        assert got == "nobody", (
+            f"exec(['id', '-un'], user='nobody'): expected 'nobody' on stdout, got {got!r} "
+            f"(exit {result.exit_code}, stderr {result.stderr.strip()[:200]!r})"
+        )
         await _raises(SandboxUserNotFoundError, rt.exec(["id"], user="vf-no-such-user"))
     else:
         await _raises(SandboxUserRefusedError, rt.exec(["id", "-un"], user="root"))

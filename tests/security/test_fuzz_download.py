@@ -31,7 +31,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from runtimes._extract import extract_archive
+from runtimes._extract import Links, extract_archive
 from runtimes.errors import SandboxError, UnsafeArchiveMemberError
 
 from .fuzzing import fuzz
@@ -137,7 +137,7 @@ def snapshot(root: Path, skip: Path) -> dict[str, tuple[int, bytes | str | None]
     return seen
 
 
-def play(data: bytes, skip_unsafe: bool, strip: str | None) -> None:
+def play(data: bytes, skip_unsafe: bool, strip: str | None, links: Links = "contained") -> None:
     with tempfile.TemporaryDirectory(prefix="vf-fuzz-download-") as tmp:
         base = Path(tmp)
         (base / "outside").mkdir()
@@ -146,13 +146,19 @@ def play(data: bytes, skip_unsafe: bool, strip: str | None) -> None:
         dest = base / "dest"
         before = snapshot(base, dest)
         try:
-            extract_archive(io.BytesIO(data), dest, skip_unsafe=skip_unsafe, strip=strip)
+            extract_archive(
+                io.BytesIO(data), dest, skip_unsafe=skip_unsafe, strip=strip, links=links
+            )
         except UnsafeArchiveMemberError:
             # skip_unsafe reports what it left out; only the member-count bound still raises
             assert not skip_unsafe
+            assert not os.path.lexists(dest), "a failed download left its destination"
         except SandboxError as exc:
             assert "malformed" in str(exc), exc  # not a tar
-        assert snapshot(base, dest) == before
+            assert not os.path.lexists(dest), "a failed download left its destination"
+        assert snapshot(base, dest) == before  # the staging directory included: gone
+        if links == "keep":  # links are kept as they are: none was followed (above)
+            return
         real = Path(os.path.realpath(dest))
         for here, dirs, files in os.walk(dest, followlinks=False):
             for name in dirs + files:
@@ -184,6 +190,14 @@ def test_any_tar_is_extracted_or_refused_typed_and_nothing_leaves_the_destinatio
     data: bytes, skip_unsafe: bool, strip: str | None
 ) -> None:
     play(data, skip_unsafe, strip)
+
+
+@fuzz(200)
+@given(data=streams(), skip_unsafe=st.booleans())
+def test_any_tar_with_links_kept_writes_nothing_outside(data: bytes, skip_unsafe: bool) -> None:
+    """``links="keep"`` creates links out as they are; nothing is ever written through one,
+    and a refused archive leaves no destination."""
+    play(data, skip_unsafe, None, "keep")
 
 
 @fuzz(150)

@@ -25,6 +25,7 @@ from .sweep import pids_limit
 from .wire import (
     ACK,
     EXIT,
+    EXIT_GRACE,
     I32,
     PIPE_CHUNK,
     STARTED,
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 
 KILL_GRACE = 0.5
 """Seconds output is still read after a kill: a process that left the group may hold a pipe."""
+EXIT_POLL = 0.05
+"""Seconds between looks at a command's exit where no pidfd tells of it (Linux < 5.3,
+Python < 3.9)."""
 ANNOUNCE_AFTER = 0.005
 """STARTED waits this long for the first output or the exit, to share a write with it: a
 short command then costs the host one wake-up, not two."""
@@ -219,6 +223,10 @@ class Exec:
             pipe.close()
 
     def pump_output(self, proc: subprocess.Popen[bytes]) -> None:
+        """Forward the output until the pipes close, or until EXIT_GRACE after the command
+        itself exited: background processes may hold its pipes for their whole life, and
+        what they write later is read and discarded (:func:`discard`), so they neither
+        block nor die of SIGPIPE."""
         out = self.agent.out
         assert proc.stdout is not None and proc.stderr is not None
         kinds = {proc.stdout.fileno(): STDOUT, proc.stderr.fileno(): STDERR}
@@ -226,26 +234,33 @@ class Exec:
         for fd in kinds:
             poller.register(fd, select.POLLIN)
         poller.register(self.wake_r, select.POLLIN)
+        pidfd = open_pidfd(proc.pid)
+        if pidfd is not None:
+            poller.register(pidfd, select.POLLIN)
         limit = self.header.output_limit
         total = 0
         capped = False
         give_up: float | None = None
+        exited = False
         while kinds:
-            if give_up is not None:
-                timeout: float | None = max(0.0, give_up - time.monotonic()) * 1000
-            else:
-                timeout = ANNOUNCE_AFTER * 1000 if self.pending_start else None
+            timeout = self.poll_timeout(give_up, exited or pidfd is not None)
             events = poller.poll(timeout)
-            if not events and give_up is not None:
-                break  # killed, and something outside the group still holds a pipe
+            if give_up is not None and time.monotonic() >= give_up:
+                break  # killed or exited, and something outside the group holds a pipe
+            told = pidfd is None or any(fd == pidfd for fd, _ in events)
+            if not exited and told and proc.poll() is not None:
+                exited = True
+                if give_up is None:
+                    give_up = time.monotonic() + EXIT_GRACE
+                if pidfd is not None:
+                    poller.unregister(pidfd)
             if not events and self.pending_start:
                 out.send(STARTED, self.rid, self.take_start())
                 continue
             for fd, _ in events:
                 if fd == self.wake_r:
                     os.read(self.wake_r, 64)
-                    if give_up is None:
-                        give_up = time.monotonic() + KILL_GRACE
+                    give_up = time.monotonic() + KILL_GRACE
                     continue
                 if fd not in kinds:
                     continue
@@ -264,8 +279,67 @@ class Exec:
                 if total > limit:
                     capped = True  # the host keeps exactly the cap and reports the overflow
                     self.kill()
-        proc.stdout.close()
-        proc.stderr.close()
+        if pidfd is not None:
+            os.close(pidfd)
+        lingering = [pipe for pipe in (proc.stdout, proc.stderr) if pipe.fileno() in kinds]
+        if lingering and not self.killed:
+            discard(lingering)
+        else:
+            for pipe in lingering:
+                pipe.close()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe not in lingering:
+                pipe.close()
+
+    def poll_timeout(self, give_up: float | None, exit_told: bool) -> float | None:
+        """Milliseconds the next poll may wait: to the give-up time, the STARTED frame's
+        delay, or the next look at the exit when nothing else tells of it."""
+        waits = []
+        if give_up is not None:
+            waits.append(max(0.0, give_up - time.monotonic()))
+        if self.pending_start:
+            waits.append(ANNOUNCE_AFTER)
+        if not exit_told:
+            waits.append(EXIT_POLL)
+        return min(waits) * 1000 if waits else None
+
+
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (readable once it exited), ``None`` where the system has none."""
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        return int(opener(pid))
+    except OSError:
+        return None
+
+
+def discard(pipes: list[Any]) -> None:
+    """Read ``pipes`` to their end in a thread of their own, dropping what comes, then close
+    them: the processes still writing them keep running unblocked. A thread that cannot
+    start (the sandbox's process limit) closes them instead."""
+
+    def drain() -> None:
+        poller = select.poll()
+        open_fds = {pipe.fileno(): pipe for pipe in pipes}
+        for fd in open_fds:
+            poller.register(fd, select.POLLIN)
+        while open_fds:
+            for fd, _ in poller.poll():
+                try:
+                    data = os.read(fd, PIPE_CHUNK)
+                except OSError:
+                    data = b""
+                if not data:
+                    poller.unregister(fd)
+                    open_fds.pop(fd).close()
+
+    try:
+        threading.Thread(target=drain, name="discard", daemon=True).start()
+    except RuntimeError:
+        for pipe in pipes:
+            pipe.close()
 
 
 def kill_group(pgid: int) -> None:

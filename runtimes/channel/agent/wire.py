@@ -71,6 +71,10 @@ RELAY_CHUNK = 64 * 1024
 READ_CHUNK = 256 * 1024
 PIPE_CHUNK = 64 * 1024
 """The most output bytes the agent reads (and forwards) at once."""
+EXIT_GRACE = 0.2
+"""Seconds a command's output is still taken after the command itself exited (what its
+background processes write to the pipes they inherited); later output is read and discarded
+(the host's ``exec`` and the agent alike: ``docs/processes.md``)."""
 
 STDIN_FOLLOWS = 1
 """EXEC flag: the command's stdin is a pipe fed by the request (inline, then DATA frames)."""

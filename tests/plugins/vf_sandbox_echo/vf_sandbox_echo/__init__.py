@@ -81,11 +81,13 @@ class EchoRuntime(Runtime):
                 raise SandboxInvalidArgumentError("argument list too long") from None
             name = exc.filename if isinstance(exc.filename, str) else request.argv[0]
             raise error_for_errno(exc.errno, name) from None
+        sink.pid = proc.pid
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_pump, proc.stdout, sink, "stdout")
                 tg.start_soon(_pump, proc.stderr, sink, "stderr")
                 code = await run_beside(proc.wait, lambda: _send(proc, request.stdin, sink))
+                sink.exited(128 - code if code < 0 else code)  # its output may go on
         except BaseException:
             with anyio.CancelScope(shield=True):
                 with contextlib.suppress(ProcessLookupError):
