@@ -18,7 +18,13 @@ from runtimes.testing.checks import SCRATCH_PREFIX
 pytest_plugins = ["pytester"]
 
 SUBPROCESS = {"type": "subprocess"}
-FRESH = {"alive_and_closed", "close_twice", "background_process_keeps_running", "stop_processes"}
+FRESH = {
+    "alive_and_closed",
+    "close_twice",
+    "background_process_keeps_running",
+    "stop_processes",
+    "spawn_ended_by_stop_processes",
+}
 """The checks that close their runtime or are about all of the sandbox's processes."""
 
 
