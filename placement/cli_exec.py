@@ -31,6 +31,7 @@ from runtimes import (
 from runtimes.config import config_error_from_validation
 from runtimes.errors import names_the_program
 from runtimes.models import Stream
+from runtimes.processes import UNCAPPED
 from runtimes.resources import byte_count
 
 from .cli_output import say
@@ -44,10 +45,6 @@ EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a local command killed by a closed pipe reports
-
-UNLIMITED_OUTPUT = 1 << 62
-"""``exec``'s cap on streamed output when none is asked for: none that a stream can reach
-(the output is passed on, never kept)."""
 
 
 class Interrupted(Exception):
@@ -99,12 +96,13 @@ def with_image(config: RuntimeConfig, image: str | None) -> RuntimeConfig:
 
 def stream_limit(config: RuntimeConfig, asked: int | None) -> int:
     """The cap on ``exec``'s streamed output: ``--output-limit``, else the config's
-    ``output_limit`` when the config sets one, else :data:`UNLIMITED_OUTPUT`."""
+    ``output_limit`` when the config sets one, else none
+    (:data:`~runtimes.processes.UNCAPPED`: the output is passed on, never kept)."""
     if asked is not None:
         return asked
     if "output_limit" in config.model_fields_set:
         return config.output_limit
-    return UNLIMITED_OUTPUT
+    return UNCAPPED
 
 
 def strip_separator(argv: list[str]) -> list[str]:

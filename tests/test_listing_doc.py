@@ -1,37 +1,13 @@
-"""README.md's "Listing files" example, run as it stands.
-
-The ``python`` block of that section is read from README.md at test time and run as a
-script (the subprocess runtime); what it prints must be the ``text`` block right after it.
-"""
+"""README.md's "Listing files" example, run as it stands (the subprocess runtime): what it
+prints must be the ``text`` block right after it."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-def _section() -> tuple[str, str]:
-    text = README.read_text()
-    section = text.split("### Listing files\n", 1)[1].split("\n#", 1)[0]
-    match = re.search(r"^```python\n(.*?)^```\n\n```text\n(.*?)^```$", section, re.S | re.M)
-    assert match, "the Listing files section lost its python block and its output"
-    return match.group(1), match.group(2)
+from .doc_examples import example, run_example
 
 
 def test_listing_example_prints_what_the_readme_shows(tmp_path: Path) -> None:
-    code, expected = _section()
-    script = tmp_path / "listing.py"
-    script.write_text(code)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == expected
+    code, expected = example("README.md", "### Listing files")
+    assert run_example(code, tmp_path) == expected

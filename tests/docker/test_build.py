@@ -5,9 +5,6 @@ missing image's error says how to build it, not to pull what no registry has."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +19,10 @@ from runtimes.docker.build_context import BUILD_LABEL, BUILD_REPOSITORY
 from runtimes.docker.config import DockerConfig
 from runtimes.reaper import drain_removals_blocking
 
+from ..doc_examples import example, run_example
+
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_leaks")]
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "docker.md"
 
 DOCKERFILE = """\
 FROM vf-sandbox/base:bookworm
@@ -143,27 +141,11 @@ def test_build_options_are_validated(fields: dict[str, Any], expected: str) -> N
         open_runtime({"type": "docker", **fields})
 
 
-_BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.S | re.M)
-
-
-def test_the_docs_example_runs_as_it_stands(docker_client: Any) -> None:
+def test_the_docs_example_runs_as_it_stands(docker_client: Any, tmp_path: Path) -> None:
     """docs/docker.md's ``build`` example, run as a script: it prints what the page shows."""
-    text = DOC.read_text()
-    start = text.index("## Building images from a Dockerfile")
-    blocks = list(_BLOCK.finditer(text, start))
-    code, shown = blocks[0], blocks[1]
-    assert code.group(1) == "python" and shown.group(1) == "text"
+    code, shown = example("docs/docker.md", "## Building images from a Dockerfile")
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", code.group(2)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=DOC.parent.parent,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr
-        assert done.stdout == shown.group(2)
+        assert run_example(code, tmp_path) == shown
     finally:
         for image in docker_client.images.list(filters={"label": BUILD_LABEL}):
             if "vf-build-doc-" in image.labels.get(f"{BUILD_LABEL}.context", ""):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,8 @@ from placement.rollout import load_rollout, scripted_models
 from placement.specs import JudgeSpec
 from placement.traces import load_trace, trace_from_messages
 from placement.trainers.grading import transcript_trace
+
+from ..doc_examples import example, run_example
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "cli.md"
@@ -67,15 +67,9 @@ def _blocks(section: str) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------- the docs
 
 
-def test_the_traces_example_prints_what_the_docs_show() -> None:
-    blocks = _blocks(_doc_section("Traces from messages"))
-    [code] = [body for lang, body in blocks if lang == "python"]
-    [shown] = [body for lang, body in blocks if lang == "text"]
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == shown
+def test_the_traces_example_prints_what_the_docs_show(tmp_path: Path) -> None:
+    code, shown = example("docs/cli.md", "### Traces from messages")
+    assert run_example(code, tmp_path, timeout=60) == shown
 
 
 def test_the_scripted_example_is_a_valid_script_file() -> None:
