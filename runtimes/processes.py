@@ -175,15 +175,8 @@ async def run_command(
         SandboxError: whatever ``run`` raised (typed).
     """
     started = time.monotonic()
-    wake = anyio.Event()  # the command exited, or the run ended (whichever comes first)
-
-    async def body() -> int:
-        try:
-            return await run(request, sink)
-        finally:
-            wake.set()
-
-    task = _track(runtime, body)  # starts at the next checkpoint
+    wake = anyio.Event()
+    task = _track(runtime, lambda: run(request, sink))  # starts at the next checkpoint
     task.awaited = True
     task.sink = sink
 
@@ -196,7 +189,7 @@ async def run_command(
     if timeout is not None:
         task.scope.deadline = anyio.current_time() + timeout
     try:
-        await wake.wait()
+        await _first(wake, task.done)
         if not task.done.is_set():
             with anyio.move_on_after(EXIT_GRACE):
                 await task.done.wait()
