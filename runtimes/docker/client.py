@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -330,21 +331,46 @@ async def kill_as_root(ref: _ContainerRef, argv: list[str]) -> None:
         raise SandboxTransportError(f"the kill was not confirmed within {KILL_WAIT:g}s")
 
 
+REMOVAL_WAIT = 60.0
+"""How long a removal someone else started (the engine says "already in progress") is awaited."""
+
+
 def remove_container_blocking(api: Any, container_id: str, describe: str) -> None:
-    """Force-remove a container with its anonymous volumes; gone already is fine.
+    """Force-remove a container with its anonymous volumes; returns once it is gone.
+
+    Gone already is fine. A removal already in progress (started by another process, or
+    by one that was killed after asking) is waited for, so that nothing listed afterwards
+    still shows the container.
 
     Raises:
-        SandboxError: the engine refused to remove it.
+        SandboxError: the engine refused to remove it, or a removal in progress did not
+            end within ``REMOVAL_WAIT`` seconds.
     """
     import docker.errors
 
     try:
         api.remove_container(container_id, force=True, v=True)
     except docker.errors.NotFound:
-        pass
+        return
     except docker.errors.APIError as exc:
         if "already in progress" not in _api_message(exc):
             raise SandboxError(f"could not remove {describe}: {_api_message(exc)}") from exc
+        _wait_until_removed(api, container_id, describe)
+
+
+def _wait_until_removed(api: Any, container_id: str, describe: str) -> None:
+    import docker.errors
+
+    deadline = time.monotonic() + REMOVAL_WAIT
+    gap = 0.02
+    while time.monotonic() < deadline:
+        try:
+            api.inspect_container(container_id)
+        except docker.errors.NotFound:
+            return
+        time.sleep(gap)
+        gap = min(gap * 2, 0.5)
+    raise SandboxError(f"the removal of {describe} did not end within {REMOVAL_WAIT:g}s")
 
 
 def list_labelled_blocking(api: Any, backend: str) -> list[SandboxInfo]:

@@ -245,3 +245,52 @@ async def test_a_process_killed_after_close_left_no_process_and_labels_for_the_s
     assert len(left) <= 4
     await cleanup_sandboxes(["docker"])
     assert session_containers(docker_client, session) == []
+
+
+class _RemovalElsewhere:
+    """An engine on which someone else's removal of the container is under way: asking
+    again answers 409 "already in progress" and the container shows for ``lingers`` more
+    inspections."""
+
+    def __init__(self, lingers: int) -> None:
+        self.lingers = lingers
+        self.inspected = 0
+
+    def remove_container(self, container_id: str, **_: object) -> None:
+        import docker.errors
+
+        raise docker.errors.APIError(
+            "409 Client Error",
+            explanation=f"removal of container {container_id} is already in progress",
+        )
+
+    def inspect_container(self, container_id: str) -> dict[str, object]:
+        import docker.errors
+
+        self.inspected += 1
+        if self.inspected > self.lingers:
+            raise docker.errors.NotFound(f"No such container: {container_id}")
+        return {"Id": container_id, "State": {"Status": "removing"}}
+
+
+def test_a_removal_already_in_progress_is_waited_for_until_the_container_is_gone() -> None:
+    """A process killed after asking for its removals leaves them running in the engine;
+    the sweep that meets one returns only once the container is gone, so a listing right
+    after the sweep no longer shows it (seen in CI: listed, then 404 on inspection)."""
+    from runtimes.docker.client import remove_container_blocking
+
+    engine = _RemovalElsewhere(lingers=3)
+    remove_container_blocking(engine, "c0ffee", "docker container c0ffee")
+    assert engine.inspected == 4, "returned while the container still showed"
+
+
+def test_a_removal_in_progress_that_never_ends_is_a_typed_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from runtimes.docker import client
+
+    monkeypatch.setattr(client, "REMOVAL_WAIT", 0.2)
+    with pytest.raises(SandboxError, match="did not end within"):
+        client.remove_container_blocking(
+            _RemovalElsewhere(lingers=10**9), "c0ffee", "docker container c0ffee"
+        )
