@@ -40,7 +40,7 @@ PYTEST_ARGS ?=
 # The extras that bring torch ([trl], and [all] through it) get it pinned to the CPU build on disk.
 TORCH_PIN := $(if $(filter all trl,$(subst $(comma), ,$(DEMO_EXTRAS))),'torch==2.13.0',)
 
-.PHONY: help venv install install-run engine compose bench-compose images shellcheck lint typecheck test demo bench clean distclean
+.PHONY: help venv install install-run engine compose bench-compose images shellcheck stress-ng lint typecheck test demo bench clean distclean
 
 help:
 	@sed -n '1,7s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
@@ -129,6 +129,18 @@ shellcheck:
 	  fi
 	fi
 
+# stress-ng: the background load of the soak (tests/reliability/test_soak.py), from Debian's
+# archive when it is missing (as root; else install it yourself).
+stress-ng:
+	if ! command -v stress-ng >/dev/null; then
+	  if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+	    apt-get install -y -q --no-install-recommends stress-ng </dev/null \
+	      || { apt-get update -q </dev/null && apt-get install -y -q --no-install-recommends stress-ng </dev/null; }
+	  else
+	    echo "test: stress-ng is missing (apt-get install stress-ng); the soak needs it" >&2; exit 1
+	  fi
+	fi
+
 lint: install shellcheck
 	rc=0
 	shellcheck -s sh $$(find runtimes -name '*.sh' | sort) || rc=1
@@ -141,7 +153,7 @@ typecheck: install
 	$(VENV)/bin/mypy $(SRC_DIRS)
 
 # pytest's own exit code is the result (5 = no tests collected fails too).
-test: install images lint typecheck
+test: install images lint typecheck stress-ng
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # --- demo and benchmarks -----------------------------------------------------------------------------------

@@ -15,3 +15,29 @@ def _removals_finish_within_their_test() -> Iterator[None]:
     starts, and a removal that failed fails the test that closed the sandbox, not a later one."""
     yield
     drain_removals_blocking()
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each phase's time (set-up, call, teardown) to its test file's total."""
+    name = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Where the suite's time goes, by test file: what to look at first when `make test`
+    nears its time budget."""
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    ranked = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])
+    terminalreporter.section("time by test file (set-up + call + teardown)")
+    for name, seconds in ranked[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {name}")
+    rest = sum(seconds for _, seconds in ranked[25:])
+    terminalreporter.write_line(
+        f"{rest:8.1f}s {100 * rest / total:5.1f}%  ({len(ranked) - 25} more)"
+    )
+    terminalreporter.write_line(f"{total:8.1f}s 100.0%  in all")

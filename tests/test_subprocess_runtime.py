@@ -388,3 +388,24 @@ def test_tempdir_default_root_is_under_tmp() -> None:
     from runtimes.subprocess import default_root
 
     assert default_root().startswith(tempfile.gettempdir())
+
+
+def test_a_group_number_that_now_leads_another_command_is_not_killed() -> None:
+    """A command's group is killed by number (timeout, cancellation, output cap). Once its
+    leader was reaped and the group emptied, the kernel can give the number to a new command,
+    which leads a group of that number: the kill must spare it (the soak saw a fresh command
+    die with 137 under load)."""
+    from runtimes.subprocess.process import kill_group
+    from runtimes.subprocess.sweep import _start_ticks
+
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        theirs = _start_ticks(other.pid)
+        kill_group(other.pid, theirs - 1)  # the recorded leader started at another time
+        time.sleep(0.2)
+        assert other.poll() is None, "the command now holding the number was killed"
+        kill_group(other.pid, theirs)
+        assert other.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        other.kill()
+        other.wait()

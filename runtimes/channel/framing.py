@@ -302,6 +302,8 @@ class FramedStream:
                 with self._flow:
                     while self._backlog > MAX_BACKLOG and not self._closed.is_set():
                         self._flow.wait(0.5)
+                if self._closed.is_set():
+                    return  # never read a stream close() may have released already
                 data = self._transport.recv()
                 if not data:
                     if not greeted and bytes(buf).startswith(NO_PYTHON):

@@ -59,6 +59,16 @@ def _thread_limiter() -> anyio.CapacityLimiter:
         return limiter
 
 
+def close_idle_connections() -> None:
+    """Close the engine connections the process-wide clients keep idle for reuse (up to
+    ``_THREADS`` each); their next call opens new ones. Call it while no call is in flight
+    (a leak check; a process about to fork)."""
+    with _CLIENTS_LOCK:
+        clients = list(_CLIENTS.values())
+    for client in clients:
+        client.close()
+
+
 def _engine_name(config: DockerConfig) -> str:
     return config.base_url or "the default Docker engine"
 

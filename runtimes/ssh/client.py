@@ -30,6 +30,8 @@ log = logging.getLogger("runtimes.ssh")
 _CHUNK = 1 * MiB
 _WINDOW = 16 * MiB
 _MAX_PACKET = 32 * 1024
+_READER_EXIT = 2.0
+"""Seconds ``close()`` waits for the reader thread to see EOF and close the socket."""
 
 
 class HostKeyVerificationError(ProvisioningError):
@@ -275,7 +277,9 @@ def _connect(config: SSHConfig, accepted: dict[str, bytes]) -> paramiko.Transpor
             ) from None
         if config.keepalive_interval:
             transport.set_keepalive(config.keepalive_interval)
-        sock.settimeout(None)
+        # The socket keeps paramiko's own 0.1 s timeout: its reader thread wakes on it to see
+        # close() and to send keepalives. Blocking (None), close() left that thread in recv()
+        # for ever, holding the TCP connection and the server's session open.
     except BaseException:
         transport.close()
         raise
@@ -317,6 +321,15 @@ class _Connection:
             with contextlib.suppress(OSError, EOFError):
                 self._sftp.close()
             self._sftp = None
+        # Wake paramiko's reader thread with EOF and let it close the socket itself (the end
+        # of Transport.run) before closing from here: a close from this thread frees the
+        # descriptor number while the reader may sit between releasing the GIL and its
+        # recv(), which then reads from whatever socket reuses the number (stolen bytes,
+        # "Invalid packet blocking" on that connection).
+        with contextlib.suppress(OSError):
+            self.transport.sock.shutdown(socket.SHUT_RDWR)
+        if self.transport is not threading.current_thread():
+            self.transport.join(_READER_EXIT)
         self.transport.close()
 
 

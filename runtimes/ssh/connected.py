@@ -45,12 +45,17 @@ class _ConnectedRuntime(Runtime):
         super().__init__(config)
         self.config: SSHConfig
         self._conn: _Connection | None = None
+        self._conn_released = False
+        """``close()`` let the connection go: no call may open another (it would leak)."""
         self._accepted_keys: dict[str, bytes] = {}
         self._forwards: dict[int, _Forward] = {}
         self._connect_lock: anyio.Lock | None = None
         self._sftp_lock: anyio.Lock | None = None
         self._control_slots: anyio.Semaphore | None = None
         self._call_limiter: anyio.CapacityLimiter | None = None
+
+    def _released(self) -> bool:
+        return self._conn_released
 
     def _open_connection(self) -> _Connection:
         return _Connection(_connect(self.config, self._accepted_keys), self.config.io_timeout)
@@ -72,7 +77,8 @@ class _ConnectedRuntime(Runtime):
             conn = self._conn
             if conn is not None and conn.usable():
                 return conn
-            if self._state not in (State.STARTING, State.OPEN, State.CLOSING):
+            closed = self._state not in (State.STARTING, State.OPEN, State.CLOSING)
+            if closed or self._conn_released:
                 raise SandboxUnavailableError(f"{self.describe()} is closed")
             if conn is not None:
                 await anyio.to_thread.run_sync(conn.close)
@@ -85,6 +91,9 @@ class _ConnectedRuntime(Runtime):
                 raise SandboxUnavailableError(
                     f"{self.describe()}: reconnecting failed: {exc}"
                 ) from exc
+            if self._released():  # close() let the connection go while this one opened
+                await anyio.to_thread.run_sync(conn.close)
+                raise SandboxUnavailableError(f"{self.describe()} is closed")
             log.info("%s: reconnected", self.describe())
             self._conn = conn
             await self._restore_forwards(conn)

@@ -271,6 +271,7 @@ class SSHRuntime(_ConnectedRuntime):
             if self._dir is not None and not self._keep:
                 await self._remove_remote()
         finally:
+            self._conn_released = True  # a call in flight must not reconnect now
             conn, self._conn = self._conn, None
             self._forwards.clear()
             if conn is not None:

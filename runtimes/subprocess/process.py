@@ -20,14 +20,22 @@ from ..models import ExecRequest, OutputSink, Stream
 from ..stdin_feed import feed_stdin, run_beside
 from ..wrapper import report_error
 from .config import _READ_CHUNK
+from .sweep import _start_ticks
 
 
 class _ExitWatch:
-    """Waits for a child's exit: readiness of a pidfd (Linux >= 5.3), else a worker thread."""
+    """Waits for a child's exit: readiness of a pidfd (Linux >= 5.3), else a worker thread.
+    Kills the child's process group only while it is still the child's (:meth:`kill_group`)."""
 
     def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self._process = process
         self.pidfd: int | None = None
+        self.leader_start = _start_ticks(process.pid)
+        """When the child (the leader of its process group) started, in clock ticks."""
+
+    def kill_group(self) -> None:
+        """SIGKILL the child's process group, unless its number now leads another one."""
+        kill_group(self._process.pid, self.leader_start)
 
     def open_pidfd(self) -> int | None:
         """The child's pidfd (readable once it exited), ``None`` where there is none."""
@@ -138,7 +146,7 @@ class _EpollPump:
             for watched in self._outputs:
                 self._epoll.unregister(watched)
             self._outputs.clear()
-            _kill_group(self._process.pid)
+            self._exit_watch.kill_group()
 
     def _feed(self) -> None:
         assert self._stdin_fd is not None and self._process.stdin is not None
@@ -238,7 +246,18 @@ async def report_exit(exit_watch: _ExitWatch, sink: OutputSink) -> None:
     sink.exited(128 - code if code < 0 else code)
 
 
-def _kill_group(pgid: int) -> None:
+def kill_group(pgid: int, leader_start: int) -> None:
+    """SIGKILL process group ``pgid``, the group of a command whose leader started at
+    ``leader_start`` (clock ticks, ``/proc``), unless the number now leads another group.
+
+    Once the leader was reaped and the group's last member exited, the kernel may give the
+    number to a new process, which (``start_new_session``: every command here) leads a group
+    of the same number: a kill by number would end an unrelated command (seen in the soak
+    under load, a fresh command dying with 137). A living leader, its zombie, or any member
+    still in the group keeps the number reserved, so the check holds until the kill."""
+    now = _start_ticks(pgid)
+    if now != -1 and now != leader_start:
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
 

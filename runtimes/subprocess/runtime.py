@@ -44,9 +44,9 @@ from .process import (
     _EpollPump,
     _ExitWatch,
     _feed_stdin,
-    _kill_group,
     _pump_with_stdin_source,
     _spawn_error,
+    kill_group,
     report_exit,
 )
 from .snapshots import copy_snapshot_into, destroy_snapshot_dir, scan_snapshots, take_snapshot
@@ -56,7 +56,6 @@ from .sweep import (
     _destroy_dir,
     _real_dirs,
     _scan_root,
-    _start_ticks,
     _sweep,
     _Target,
 )
@@ -229,8 +228,8 @@ class SubprocessRuntime(Runtime):
             except OSError as exc:  # /proc unreadable: fall back to the groups we started
                 log.warning("%s: process sweep failed: %s", self.describe(), exc)
                 survivors = []
-                for pgid in list(self._sessions):
-                    _kill_group(pgid)
+                for pgid, leader_start in list(self._sessions.items()):
+                    kill_group(pgid, leader_start)
             if survivors:
                 log.warning(
                     "%s: processes still running after close(): %s", self.describe(), survivors
@@ -297,9 +296,9 @@ class SubprocessRuntime(Runtime):
             )
         except OSError as exc:
             raise _spawn_error(exc, request) from None
-        self._sessions[process.pid] = _start_ticks(process.pid)
-        sink.pid = process.pid
         exit_watch = _ExitWatch(process)
+        self._sessions[process.pid] = exit_watch.leader_start
+        sink.pid = process.pid
         assert process.stdout is not None and process.stderr is not None
         try:
             stdin = request.stdin
@@ -321,7 +320,7 @@ class SubprocessRuntime(Runtime):
             # group is the sweep's, close()'s or a kept sandbox's.
             with anyio.CancelScope(shield=True):
                 if not sink.detached:
-                    _kill_group(process.pid)
+                    exit_watch.kill_group()
                     await exit_watch.wait()
             raise
         finally:

@@ -30,10 +30,14 @@ class PipeTransport(ChannelTransport):
         self._stdout = self.process.stdout.fileno()
 
     def recv(self) -> bytes:
+        """From the channel's reader thread only; it closes stdout once the stream ended."""
         try:
-            return os.read(self._stdout, 1 << 16)
+            data = os.read(self._stdout, 1 << 16)
         except OSError:
-            return b""
+            data = b""
+        if not data and self.process.stdout is not None:
+            self.process.stdout.close()
+        return data
 
     def send(self, data: bytes) -> None:
         view = memoryview(data)
@@ -41,10 +45,14 @@ class PipeTransport(ChannelTransport):
             view = view[os.write(self._stdin, view) :]
 
     def close(self) -> None:
+        """Kill the agent: its stdout ends, which unblocks the reader. stdout itself is
+        closed by the reader (:meth:`recv`), never here: closing it under a reader about to
+        call ``os.read`` would let that read take the bytes of whatever descriptor reuses
+        the number next (this test's next agent's ``ready``: seen under load)."""
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+        for stream in (self.process.stdin, self.process.stderr):
             if stream is not None:
                 stream.close()
 
@@ -55,7 +63,7 @@ class PipeTransport(ChannelTransport):
 def started_and_ready() -> PipeTransport:
     """An agent whose ``ready`` already waits, unread, in the pipe."""
     transport = PipeTransport(agent_command())
-    readable, _, _ = select.select([transport.process.stdout.fileno()], [], [], 10)
+    readable, _, _ = select.select([transport.process.stdout.fileno()], [], [], 60)
     assert readable, "the agent never said ready"
     return transport
 

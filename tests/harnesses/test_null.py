@@ -78,12 +78,12 @@ async def test_zero_turn_budget_makes_no_call(scripted: ScriptedFactory) -> None
 
 @pytest.mark.anyio
 async def test_time_budget_cancels_the_call(scripted: ScriptedFactory) -> None:
-    server = scripted([reply("too late", delay=3)])
+    server = scripted([reply("too late", delay=6)])
     trace = await NullHarness().run(
         "hi", runtime=None, model=server.endpoint(), budget=Budget(max_seconds=0.3)
     )
     assert trace.error is not None and trace.error.kind == "budget_time"
-    assert trace.duration < 2
+    assert trace.duration < 5, "the call was not cut at the budget (slack for a busy machine)"
     assert trace.turns[0].error == "cancelled by the time budget"
 
 

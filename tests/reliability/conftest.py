@@ -101,6 +101,19 @@ def live_threads() -> int:
     return threading.active_count()
 
 
+async def settle_host(limit_fds: int, limit_threads: int, within: float = 15) -> tuple[int, int]:
+    """Wait (at most ``within`` seconds) until this process holds at most ``limit_fds``
+    descriptors and ``limit_threads`` threads; return both counts. anyio prunes a worker
+    thread idle for 10 s when the pool is next used, so the wait keeps using it."""
+    fds, threads = open_fds(), live_threads()
+    with anyio.move_on_after(within):
+        while fds > limit_fds or threads > limit_threads:
+            await anyio.sleep(0.25)
+            await anyio.to_thread.run_sync(time.sleep, 0)
+            fds, threads = open_fds(), live_threads()
+    return fds, threads
+
+
 @dataclass
 class Tally:
     """Numbers the suite reports (docs/reliability.md): printed at the end of a run."""
@@ -113,12 +126,19 @@ class Tally:
 
 TALLY = Tally()
 
+TABLES: dict[str, list[str]] = {}
+"""Tables a test prints at the end of the run (title: lines), whatever ``-s`` says."""
+
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if TALLY.counts:
         terminalreporter.section("reliability tally")
         for key in sorted(TALLY.counts):
             terminalreporter.write_line(f"{key}: {TALLY.counts[key]}")
+    for title, lines in TABLES.items():
+        terminalreporter.section(title)
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 # ---------------------------------------------------------------------- servers

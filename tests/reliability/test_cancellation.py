@@ -24,7 +24,7 @@ from runtimes import open_runtime
 from runtimes.base import Runtime
 from tests.ssh.sshd import SSHServer
 
-from .conftest import TALLY, assert_no_process, live_threads, open_fds, token
+from .conftest import TALLY, assert_no_process, settle_host, token
 
 pytestmark = [pytest.mark.anyio, pytest.mark.docker, pytest.mark.ssh]
 
@@ -67,18 +67,6 @@ async def _storm(
     return seen
 
 
-async def _settle_host(limit_fds: int, limit_threads: int) -> tuple[int, int]:
-    """Wait (bounded) for worker threads to wind down; return fds and threads."""
-    fds, threads = open_fds(), live_threads()
-    with anyio.move_on_after(15):
-        while fds > limit_fds or threads > limit_threads:
-            await anyio.sleep(0.25)
-            # A call into the thread pool lets anyio prune its idle workers.
-            await anyio.to_thread.run_sync(time.sleep, 0)
-            fds, threads = open_fds(), live_threads()
-    return fds, threads
-
-
 async def test_cancellation_storm_leaves_nothing_behind(shared_sshd: SSHServer) -> None:
     rng = random.Random(SEED)
     configs: list[dict[str, Any]] = [
@@ -96,7 +84,7 @@ async def test_cancellation_storm_leaves_nothing_behind(shared_sshd: SSHServer) 
         await _storm(runtimes, 3 * len(runtimes), rng)
         for rt, mark in runtimes:
             await assert_no_process(rt, mark)
-        fds_before, threads_before = await _settle_host(10**6, 10**6)
+        fds_before, threads_before = await settle_host(10**6, 10**6)
 
         started = time.monotonic()
         seen = await _storm(runtimes, STORM, rng)
@@ -106,7 +94,7 @@ async def test_cancellation_storm_leaves_nothing_behind(shared_sshd: SSHServer) 
         for rt, mark in runtimes:
             await assert_no_process(rt, mark, wait=10)
             assert (await rt.exec(["echo", "ok"], timeout=30)).stdout == "ok\n", rt.describe()
-        fds_after, threads_after = await _settle_host(
+        fds_after, threads_after = await settle_host(
             fds_before + FD_SLACK, threads_before + THREAD_SLACK
         )
     assert fds_after <= fds_before + FD_SLACK, (fds_before, fds_after)

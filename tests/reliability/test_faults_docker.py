@@ -196,12 +196,26 @@ async def test_engine_restart_mid_exec(proxy: EngineProxy, channel: bool) -> Non
 
 async def _exec_through_restart(proxied: Runtime, proxy: EngineProxy) -> None:
     mark = token()
-    outcome = await settle_during(
-        proxied.exec(["sh", "-c", f"echo started; sleep {mark}"], timeout=30),
-        0.5,
-        proxy.cut,
-        30 + MARGIN,
-    )
+    started = anyio.Event()
+
+    async def cut_once_started() -> None:
+        # Cut once the command's output arrived: its process group was announced before it
+        # (a cut at a fixed delay came first on a busy machine, and a command the runtime
+        # never heard of cannot be killed).
+        with anyio.fail_after(30):
+            await started.wait()
+        await anyio.to_thread.run_sync(proxy.cut)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cut_once_started)
+        outcome = await settle(
+            proxied.exec(
+                ["sh", "-c", f"echo started; sleep {mark}"],
+                timeout=30,
+                on_output=lambda _stream, _chunk: started.set(),
+            ),
+            30 + MARGIN,
+        )
     error = outcome.raised(SandboxTransportError)
     assert not isinstance(error, SandboxUnavailableError | FileNotFoundError)
     assert outcome.seconds < MARGIN, f"a dropped engine took {outcome.seconds:.1f}s to notice"

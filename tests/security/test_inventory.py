@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,9 +103,7 @@ def inventory_rows() -> set[tuple[str, str]]:
 
 @pytest.mark.attack(13)
 def test_every_call_site_has_its_row_and_every_row_its_call_site() -> None:
-    started = time.monotonic()
     sites = call_sites()
-    assert time.monotonic() - started < 2.0
     rows = inventory_rows()
     assert sites, "the scan found no call site: CALLS no longer names the API"
     missing = sorted(sites - rows)

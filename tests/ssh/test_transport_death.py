@@ -1,0 +1,203 @@
+"""A transport that dies under calls in flight: each of them fails at once, typed, and the
+runtime carries on with a fresh connection.
+
+The transport is killed two ways, on both exec paths (plain channels, channel agent):
+
+* ``shutdown``: the socket under paramiko is shut down (the peer vanished, the socket was
+  closed under it);
+* ``steal``: a few inbound bytes are read off the socket behind paramiko's back, which
+  desynchronises the stream: paramiko fails with "Invalid packet blocking" or a MAC
+  mismatch, the failure seen under load when another thread read from a reused descriptor.
+
+Every exec in flight must raise ``SandboxTransportError`` within seconds (a watchdog far below
+the calls' own timeouts), never wait for its timeout; a read in flight (idempotent) may
+instead reconnect and return the exact bytes. Afterwards read, exists and exec work again on
+the same runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from runtimes import SandboxTransportError, open_runtime
+from runtimes.ssh import SSHRuntime
+from tests.ssh.sshd import SSHServer
+
+pytestmark = pytest.mark.anyio
+
+BIG = 64 * 1024 * 1024
+"""Big enough that an SFTP read of it is still running when the transport dies."""
+
+CALL_TIMEOUT = 120.0
+"""The calls' own timeout: far above the watchdog, so only a prompt failure passes."""
+
+WATCHDOG = 30.0
+
+Kill = Literal["shutdown", "steal"]
+
+
+class _Thief:
+    """paramiko's socket, with 7 bytes of one inbound chunk taken away: what a stale read
+    elsewhere in the process does to it (the stream desynchronised: "Invalid packet
+    blocking" or a MAC error)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.stolen = False
+
+    def recv(self, size: int) -> bytes:
+        data = self._sock.recv(size)
+        if not self.stolen and len(data) > 7:
+            self.stolen = True
+            return data[7:]
+        return data
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+def _kill_transport(rt: SSHRuntime, how: Kill) -> None:
+    """Kill the live transport of ``rt`` underneath paramiko (blocking; run in a thread)."""
+    conn = rt._conn
+    assert conn is not None and conn.usable()
+    if how == "steal":
+        # Output keeps arriving from the streaming exec: the next chunk loses 7 bytes.
+        packetizer = conn.transport.packetizer
+        thief = _Thief(packetizer._Packetizer__socket)  # type: ignore[attr-defined]
+        packetizer._Packetizer__socket = thief  # type: ignore[attr-defined]
+        deadline = time.monotonic() + WATCHDOG / 2
+        while conn.transport.is_active() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert thief.stolen and not conn.transport.is_active(), "paramiko read on"
+        return
+    # A second descriptor of the same socket: the test acts on the socket without touching
+    # the object paramiko holds.
+    sock = socket.socket(fileno=os.dup(conn.transport.sock.fileno()))
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    finally:
+        sock.close()
+
+
+async def _outcome(call: Callable[[], Awaitable[object]]) -> object:
+    try:
+        return await call()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+
+
+# paramiko's SFTP prefetch thread of the read in flight dies with an EOFError when the
+# transport does; the read itself surfaces the typed error (or retries).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("how", ["shutdown", "steal"])
+@pytest.mark.parametrize("channel", [False, True], ids=["plain", "channel"])
+async def test_calls_in_flight_fail_at_once_then_the_runtime_reconnects(
+    sshd: SSHServer, channel: bool, how: Kill
+) -> None:
+    async with open_runtime(sshd.config(channel=channel, max_channels=14)) as rt:
+        assert isinstance(rt, SSHRuntime)
+        made = await rt.exec(["sh", "-c", f"head -c {BIG} /dev/urandom > big.bin"], timeout=120)
+        assert made.exit_code == 0, made
+        expected = await rt.read("big.bin", max_bytes=BIG)
+        await rt.write("small.txt", b"small")
+        streaming = anyio.Event()
+
+        def on_output(stream: object, data: bytes) -> None:
+            streaming.set()
+
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
+            "sleep": lambda: rt.exec(["sleep", "300"], timeout=CALL_TIMEOUT),
+            "sleep2": lambda: rt.exec(["sh", "-c", "sleep 300"], timeout=CALL_TIMEOUT),
+            "stream": lambda: rt.exec(
+                ["sh", "-c", "while :; do echo tick; sleep 0.01; done"],
+                timeout=CALL_TIMEOUT,
+                on_output=on_output,
+            ),
+            # stdin the command does not read yet: the sender waits for window space
+            "stdin": lambda: rt.exec(
+                ["sh", "-c", "sleep 300; cat > /dev/null"],
+                stdin=b"\0" * (BIG // 4),
+                timeout=CALL_TIMEOUT,
+            ),
+            "read": lambda: rt.read("big.bin", max_bytes=BIG),
+        }
+        outcomes: dict[str, object] = {}
+
+        async def run(name: str) -> None:
+            outcomes[name] = await _outcome(calls[name])
+
+        with anyio.fail_after(WATCHDOG):
+            async with anyio.create_task_group() as tg:
+                for name in calls:
+                    tg.start_soon(run, name)
+                await streaming.wait()
+                await anyio.sleep(0.3)  # the other calls are under way too
+                await anyio.to_thread.run_sync(_kill_transport, rt, how)
+
+        for name in ("sleep", "sleep2", "stream", "stdin"):
+            assert isinstance(outcomes[name], SandboxTransportError), (name, outcomes[name])
+        # The read is idempotent: it failed the same way, or reconnected and got every byte.
+        read = outcomes["read"]
+        assert isinstance(read, SandboxTransportError) or read == expected, repr(read)[:200]
+
+        # The same runtime carries on, on a new connection.
+        with anyio.fail_after(WATCHDOG):
+            assert await rt.read("small.txt") == b"small"
+            assert await rt.exists("small.txt")
+            result = await rt.exec(["echo", "again"])
+            assert result.stdout == "again\n", result
+
+
+async def test_a_closed_connection_ends_its_reader_thread(sshd: SSHServer) -> None:
+    """Closing the runtime ends paramiko's reader thread and the TCP connection.
+
+    With a blocking socket (the old code), ``close()`` left the idle transport's thread in
+    ``recv()`` for ever: one thread, one TCP connection and one server session leaked per
+    runtime closed, each still holding a socket whose descriptor number was already free
+    for reuse.
+    """
+    async with open_runtime(sshd.config()) as rt:
+        assert isinstance(rt, SSHRuntime)
+        conn = rt._conn
+        assert conn is not None
+        transport = conn.transport
+        assert transport.is_alive()
+    with anyio.fail_after(WATCHDOG):
+        while transport.is_alive():
+            await anyio.to_thread.run_sync(transport.join, 0.2)
+
+
+async def test_the_socket_is_closed_by_its_reader_thread_or_after_it(
+    sshd: SSHServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The transport's socket is never closed while paramiko's reader thread may still call
+    ``recv()`` on it: a close from another thread frees the descriptor number while the
+    reader can sit between releasing the GIL and its ``recv()``, which then reads from the
+    socket that reuses the number (under load: another SSH connection's bytes stolen,
+    "Invalid packet blocking" there)."""
+    async with open_runtime(sshd.config()) as rt:
+        assert isinstance(rt, SSHRuntime)
+        assert rt._conn is not None
+        transport = rt._conn.transport
+        sock = transport.sock
+        safe: list[bool] = []
+        real_close = socket.socket.close
+
+        def close(self: socket.socket) -> None:
+            if self is sock and self.fileno() != -1:
+                reader = transport
+                safe.append(threading.current_thread() is reader or not reader.is_alive())
+            real_close(self)
+
+        monkeypatch.setattr(socket.socket, "close", close)
+        assert (await rt.exec(["echo", "hi"])).stdout == "hi\n"
+    assert safe == [True]
