@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from ..channel import ChannelTransport, agent_command
 from ..errors import SandboxError
 from .client import _api_message, _blocking, _container_is_gone, _ContainerRef, gone_error
-from .stream import _STREAM_CHUNK, _hijack, _Hijacked
+from .stream import _STREAM_CHUNK, GuardedSocket, _hijack, _Hijacked
 
 
 class _AgentStream(ChannelTransport):
@@ -21,12 +21,13 @@ class _AgentStream(ChannelTransport):
     agent's framed protocol, the tail of stderr is kept for failure messages."""
 
     def __init__(self, hijacked: _Hijacked) -> None:
-        self._hijacked = hijacked
-        self._sock = hijacked.sock
+        with contextlib.suppress(OSError, AttributeError):
+            hijacked.sock.settimeout(None)  # _buffered_bytes may have left it non-blocking
+        # The channel's reader and writer threads use it while close() may come from another.
+        self._sock = GuardedSocket(hijacked.sock, on_release=hijacked.response.close)
+        self._plain = type(hijacked.sock) is socket.socket
         self._raw = bytearray(hijacked.leftover)
         self._stderr = bytearray()
-        with contextlib.suppress(OSError, AttributeError):
-            self._sock.settimeout(None)  # _buffered_bytes may have left it non-blocking
 
     def recv(self) -> bytes:
         while True:
@@ -60,7 +61,7 @@ class _AgentStream(ChannelTransport):
         self._sock.sendall(data)
 
     def try_send(self, data: bytes) -> int:
-        if type(self._sock) is not socket.socket:
+        if not self._plain:
             return 0  # TLS or an ssh:// channel: the writer thread does it
         try:
             return self._sock.send(data, socket.MSG_DONTWAIT)
@@ -68,12 +69,7 @@ class _AgentStream(ChannelTransport):
             return 0
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(Exception):
-            self._sock.close()
-        with contextlib.suppress(Exception):
-            self._hijacked.response.close()
+        self._sock.close()
 
     def diagnostics(self) -> str:
         return self._stderr.decode("utf-8", "replace").strip()[-500:]

@@ -9,11 +9,13 @@ through blocking calls in worker threads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import logging
 import socket
 import ssl
-from collections.abc import AsyncIterable
+import threading
+from collections.abc import AsyncIterable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -82,13 +84,101 @@ class _SocketExecStream(_ExecStream):
             await self._stream.aclose()
 
 
+class GuardedSocket:
+    """A blocking socket (or paramiko channel) that threads read and write while another
+    thread may close it.
+
+    ``close()`` shuts it down at once, which ends a ``recv()`` under way with ``b""`` and a
+    ``sendall()`` with an error, but releases the descriptor only once no call is inside
+    it (on the thread of the last one out). Closed under a thread that is about to enter
+    ``recv()``, the number would be free for the next socket the process opens, and that
+    thread would read (or write) another connection's bytes: a desynchronised SSH transport
+    ("Invalid packet blocking"), an exec stream that loses its output."""
+
+    def __init__(self, sock: Any, on_release: Callable[[], None] | None = None) -> None:
+        self.raw = sock
+        self._on_release = on_release
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._closing = False
+        self._released = False
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        with self._lock:
+            if self._closing:
+                raise OSError(errno.EBADF, "the stream was closed")
+            self._inside += 1
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._inside -= 1
+            release = self._closing and not self._inside and not self._released
+            self._released = self._released or release
+        if release:
+            self._release()
+
+    def recv(self, size: int) -> bytes:
+        """The next bytes; ``b""`` at the end of the stream or once ``close()`` began."""
+        try:
+            with self._call():
+                data: bytes = self.raw.recv(size)
+                return data
+        except OSError:
+            if self._closing:
+                return b""
+            raise
+
+    def send(self, data: bytes, flags: int = 0) -> int:
+        with self._call():
+            sent: int = self.raw.send(data, flags)
+            return sent
+
+    def sendall(self, data: bytes) -> None:
+        with self._call():
+            self.raw.sendall(data)
+
+    def shutdown_write(self) -> None:
+        with self._call():
+            shutdown_write = getattr(self.raw, "shutdown_write", None)
+            if shutdown_write is not None:
+                shutdown_write()  # a paramiko channel
+            else:
+                self.raw.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        """Shut the socket down now; release it now or when the last call inside returns
+        (idempotent, from any thread)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            with contextlib.suppress(Exception):  # already shut or gone: nothing to wake
+                self.raw.shutdown(socket.SHUT_RDWR)
+            release = not self._inside
+            self._released = release
+        if release:
+            self._release()
+
+    def _release(self) -> None:
+        with contextlib.suppress(Exception):  # an already broken connection
+            self.raw.close()
+        if self._on_release is not None:
+            with contextlib.suppress(Exception):
+                self._on_release()
+
+
 class _ThreadExecStream(_ExecStream):
     """A TLS socket or a paramiko channel (ssh://): blocking calls in worker threads."""
 
     def __init__(self, sock: Any) -> None:
-        self._sock = sock
         with contextlib.suppress(OSError):
             sock.settimeout(None)
+        self._sock = GuardedSocket(sock)
 
     async def receive(self) -> bytes:
         try:
@@ -111,20 +201,14 @@ class _ThreadExecStream(_ExecStream):
         return True
 
     async def send_eof(self) -> None:
-        shutdown_write = getattr(self._sock, "shutdown_write", None)
         try:
-            if shutdown_write is not None:
-                shutdown_write()
-            else:
-                self._sock.shutdown(socket.SHUT_WR)
+            self._sock.shutdown_write()
         except Exception as exc:  # noqa: BLE001 - the stream is already gone
             log.debug("half-close failed: %r", exc)
 
     async def aclose(self) -> None:
-        with contextlib.suppress(Exception):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(Exception):
-            self._sock.close()
+        # A receive abandoned on cancellation may still be in its thread's recv().
+        self._sock.close()
 
 
 @dataclass

@@ -16,7 +16,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 from ..errors import ProvisioningError
 from ..models import MiB
@@ -54,6 +54,10 @@ class HostUnreachableError(ProvisioningError):
     """The TCP connection or the SSH handshake to the host failed."""
 
 
+class _Probing(Protocol):
+    def probe(self, count_max: int, interval: float) -> None: ...
+
+
 def _signal_exit_code(name: str) -> int:
     try:
         return 128 + signal.Signals["SIG" + name].value
@@ -66,7 +70,7 @@ def _signal_exit_code(name: str) -> int:
 def _transport_class() -> type[paramiko.Transport]:
     """A Transport that also understands ``exit-signal`` (paramiko ignores it: status -1)."""
     import paramiko
-    from paramiko.common import MSG_CHANNEL_REQUEST
+    from paramiko.common import MSG_CHANNEL_REQUEST, cMSG_GLOBAL_REQUEST
 
     base_table: dict[int, Callable[[paramiko.Channel, paramiko.Message], None]] = getattr(
         paramiko.Transport, "_channel_handler_table", {}
@@ -87,6 +91,38 @@ def _transport_class() -> type[paramiko.Transport]:
     class Transport(paramiko.Transport):
         if base_handler is not None:
             _channel_handler_table = {**base_table, MSG_CHANNEL_REQUEST: handle_request}
+
+        unanswered_probes = 0
+        """Keepalives sent since the server last answered a global request."""
+
+        def _parse_request_success(self, m: paramiko.Message) -> None:
+            self.unanswered_probes = 0
+            super()._parse_request_success(m)  # type: ignore[misc]
+
+        def _parse_request_failure(self, m: paramiko.Message) -> None:
+            self.unanswered_probes = 0
+            super()._parse_request_failure(m)  # type: ignore[misc]
+
+        def probe(self, count_max: int, interval: float) -> None:
+            """paramiko's keepalive callback (its reader thread, after ``interval`` seconds
+            with nothing sent): ask for an answer, as OpenSSH's ServerAliveInterval does.
+
+            paramiko's own keepalive asks for none, so a transport whose server stopped
+            answering (a silent network drop, a wedged host) or whose reader waits for a
+            garbage packet length (bytes lost from the stream) would wait for ever. Raising
+            here ends paramiko's reader thread, which closes every channel: the calls in
+            flight fail at once, typed, and the next call reconnects."""
+            if self.unanswered_probes >= count_max:
+                raise paramiko.SSHException(
+                    f"the server answered none of {count_max} keepalives in "
+                    f"{(count_max + 1) * interval:g}s: the connection is dead"
+                )
+            self.unanswered_probes += 1
+            m = paramiko.Message()
+            m.add_byte(cMSG_GLOBAL_REQUEST)
+            m.add_string("keepalive@openssh.com")
+            m.add_boolean(True)  # want_reply: OpenSSH answers with a request failure
+            self._send_user_message(m)  # type: ignore[attr-defined]
 
     return Transport
 
@@ -276,7 +312,14 @@ def _connect(config: SSHConfig, accepted: dict[str, bytes]) -> paramiko.Transpor
                 f"connection to {config.host}:{config.port} failed during authentication: {exc}"
             ) from None
         if config.keepalive_interval:
-            transport.set_keepalive(config.keepalive_interval)
+            transport.packetizer.set_keepalive(
+                config.keepalive_interval,
+                functools.partial(
+                    cast(_Probing, transport).probe,
+                    config.keepalive_count_max,
+                    config.keepalive_interval,
+                ),
+            )
         # The socket keeps paramiko's own 0.1 s timeout: its reader thread wakes on it to see
         # close() and to send keepalives. Blocking (None), close() left that thread in recv()
         # for ever, holding the TCP connection and the server's session open.

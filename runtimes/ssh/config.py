@@ -76,7 +76,16 @@ class SSHConfig(RuntimeConfig):
     host_key: str | None = None
     accept_unknown_host_key: bool = False
     connect_timeout: float = Field(default=10.0, gt=0)
-    keepalive_interval: int = Field(default=30, ge=0, description="seconds; 0 disables")
+    keepalive_interval: int = Field(
+        default=15,
+        ge=0,
+        description="seconds without traffic before a keepalive asking for an answer; 0: off",
+    )
+    keepalive_count_max: int = Field(
+        default=3,
+        ge=1,
+        description="keepalives left unanswered before the connection is declared dead",
+    )
     io_timeout: float = Field(
         default=120.0,
         gt=0,

@@ -1,13 +1,17 @@
 """A transport that dies under calls in flight: each of them fails at once, typed, and the
 runtime carries on with a fresh connection.
 
-The transport is killed two ways, on both exec paths (plain channels, channel agent):
+The transport is killed three ways, on both exec paths (plain channels, channel agent):
 
 * ``shutdown``: the socket under paramiko is shut down (the peer vanished, the socket was
   closed under it);
 * ``steal``: a few inbound bytes are read off the socket behind paramiko's back, which
   desynchronises the stream: paramiko fails with "Invalid packet blocking" or a MAC
-  mismatch, the failure seen under load when another thread read from a reused descriptor.
+  mismatch, the failure seen under load when another thread read from a reused descriptor;
+  or (1 time in 16) it decodes a block-aligned garbage length and waits for that many bytes;
+* ``blackhole``: every inbound byte is lost from then on while the TCP connection stays up
+  (a silent network drop, a wedged server; and what the garbage-length wait looks like):
+  only keepalives that ask for an answer notice it.
 
 Every exec in flight must raise ``SandboxTransportError`` within seconds (a watchdog far below
 the calls' own timeouts), never wait for its timeout; a read in flight (idempotent) may
@@ -42,20 +46,24 @@ CALL_TIMEOUT = 120.0
 
 WATCHDOG = 30.0
 
-Kill = Literal["shutdown", "steal"]
+Kill = Literal["shutdown", "steal", "blackhole"]
 
 
 class _Thief:
-    """paramiko's socket, with 7 bytes of one inbound chunk taken away: what a stale read
-    elsewhere in the process does to it (the stream desynchronised: "Invalid packet
-    blocking" or a MAC error)."""
+    """paramiko's socket, with inbound bytes taken away once armed: 7 bytes of one chunk
+    (``steal``: what a stale read elsewhere in the process does to it), or everything from
+    then on (``blackhole``: the connection stays up, nothing arrives)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, how: Kill) -> None:
         self._sock = sock
+        self._how = how
         self.stolen = False
 
     def recv(self, size: int) -> bytes:
         data = self._sock.recv(size)
+        if self._how == "blackhole" and data:
+            self.stolen = True
+            raise TimeoutError  # what paramiko's 0.1 s socket timeout raises: nothing came
         if not self.stolen and len(data) > 7:
             self.stolen = True
             return data[7:]
@@ -69,10 +77,10 @@ def _kill_transport(rt: SSHRuntime, how: Kill) -> None:
     """Kill the live transport of ``rt`` underneath paramiko (blocking; run in a thread)."""
     conn = rt._conn
     assert conn is not None and conn.usable()
-    if how == "steal":
-        # Output keeps arriving from the streaming exec: the next chunk loses 7 bytes.
+    if how != "shutdown":
+        # Output keeps arriving from the streaming exec: the next chunk loses its bytes.
         packetizer = conn.transport.packetizer
-        thief = _Thief(packetizer._Packetizer__socket)  # type: ignore[attr-defined]
+        thief = _Thief(packetizer._Packetizer__socket, how)  # type: ignore[attr-defined]
         packetizer._Packetizer__socket = thief  # type: ignore[attr-defined]
         deadline = time.monotonic() + WATCHDOG / 2
         while conn.transport.is_active() and time.monotonic() < deadline:
@@ -98,15 +106,17 @@ async def _outcome(call: Callable[[], Awaitable[object]]) -> object:
 # paramiko's SFTP prefetch thread of the read in flight dies with an EOFError when the
 # transport does; the read itself surfaces the typed error (or retries).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-# "steal" (7 inbound bytes taken, as a stale read elsewhere does) is not run: in 1 of 16
-# thefts the garbage length paramiko then decodes is block-aligned and it waits for that many
-# bytes, never failing the calls (seen in CI; issue 32's open part, docs/ssh.md).
-@pytest.mark.parametrize("how", ["shutdown"])
+@pytest.mark.parametrize("how", ["shutdown", "steal", "blackhole"])
 @pytest.mark.parametrize("channel", [False, True], ids=["plain", "channel"])
 async def test_calls_in_flight_fail_at_once_then_the_runtime_reconnects(
     sshd: SSHServer, channel: bool, how: Kill
 ) -> None:
-    async with open_runtime(sshd.config(channel=channel, max_channels=14)) as rt:
+    # A keepalive asking for an answer after 1 s without traffic; the second unanswered one
+    # declares the connection dead (the defaults: 15 s, 3).
+    config = sshd.config(
+        channel=channel, max_channels=14, keepalive_interval=1, keepalive_count_max=2
+    )
+    async with open_runtime(config) as rt:
         assert isinstance(rt, SSHRuntime)
         made = await rt.exec(["sh", "-c", f"head -c {BIG} /dev/urandom > big.bin"], timeout=120)
         assert made.exit_code == 0, made
@@ -204,3 +214,19 @@ async def test_the_socket_is_closed_by_its_reader_thread_or_after_it(
         monkeypatch.setattr(socket.socket, "close", close)
         assert (await rt.exec(["echo", "hi"])).stdout == "hi\n"
     assert safe == [True]
+
+
+async def test_an_idle_connection_whose_server_answers_its_keepalives_stays_up(
+    sshd: SSHServer,
+) -> None:
+    """Keepalives ask for an answer and each answer counts: with one unanswered keepalive
+    allowed, an idle connection to a live server outlives several keepalive intervals."""
+    config = sshd.config(channel=False, keepalive_interval=1, keepalive_count_max=1)
+    async with open_runtime(config) as rt:
+        assert isinstance(rt, SSHRuntime)
+        conn = rt._conn
+        assert conn is not None
+        await anyio.sleep(4.5)
+        assert conn.transport.is_active() and rt._conn is conn
+        assert (await rt.exec(["echo", "ok"])).stdout == "ok\n"
+        assert rt._conn is conn
