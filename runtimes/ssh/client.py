@@ -373,6 +373,14 @@ class _Connection:
             self.transport.sock.shutdown(socket.SHUT_RDWR)
         if self.transport is not threading.current_thread():
             self.transport.join(_READER_EXIT)
+            if self.transport.is_alive():
+                # Busy (a loaded machine): it has the EOF coming, and closes the socket and
+                # every channel on its way out (the end of Transport.run). Closing from
+                # here would reopen the window above.
+                log.debug(
+                    "paramiko's reader thread is busy: it closes the connection on its way out"
+                )
+                return
         self.transport.close()
 
 
