@@ -4,7 +4,7 @@
 #   make test                    everything CI does: venv + deps, Docker engine, images, lint, types, pytest
 #   make test PYTEST_ARGS='-k ssh -x'
 #   make images FORCE=1          rebuild the base image and all images/<name>/ images from scratch
-#   make demo | bench | lint | typecheck | clean | distclean   (demo: no dev tools; DEMO_EXTRAS=all)
+#   make demo | bench | lint | typecheck | floors | clean | distclean   (demo: no dev tools; DEMO_EXTRAS=all)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -40,7 +40,7 @@ PYTEST_ARGS ?=
 # The extras that bring torch ([trl], and [all] through it) get it pinned to the CPU build on disk.
 TORCH_PIN := $(if $(filter all trl,$(subst $(comma), ,$(DEMO_EXTRAS))),'torch==2.13.0',)
 
-.PHONY: help venv install install-run engine compose bench-compose images shellcheck stress-ng lint typecheck test demo bench clean distclean
+.PHONY: help venv install install-run engine compose bench-compose images shellcheck stress-ng floors lint typecheck test demo bench clean distclean
 
 help:
 	@sed -n '1,7s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
@@ -152,8 +152,29 @@ lint: install shellcheck
 typecheck: install
 	$(VENV)/bin/mypy $(SRC_DIRS)
 
+# The declared dependency floors, installed and run: tests/floors.txt pins each floor of
+# pyproject.toml (tests/test_floors.py keeps the two in step) into a venv of its own, the project
+# goes in without dependencies, and these tests run there: the core on every path (subprocess,
+# both event loops), docker and paramiko at their floors, the model proxy (httpx, aiohttp).
+FLOORS_VENV := .build/floors-venv
+FLOORS_STAMP := $(FLOORS_VENV)/.installed
+FLOORS_TESTS := tests/conformance/test_subprocess.py tests/ssh/test_runtime.py \
+  tests/docker/test_exec.py tests/harnesses/test_proxy.py tests/harnesses/test_routes.py
+
+$(FLOORS_STAMP): pyproject.toml tests/floors.txt | $(VENV_PY)
+	@$(call step,installing the declared floors (tests/floors.txt) into $(FLOORS_VENV))
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/python -m pip install -q -r tests/floors.txt
+	PYTHONWARNINGS='ignore:Editable installation' $(FLOORS_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+floors: $(FLOORS_STAMP) images
+	@$(call step,the suite's core at the declared floors)
+	$(FLOORS_VENV)/bin/pytest -q -p no:cacheprovider $(FLOORS_TESTS)
+
 # pytest's own exit code is the result (5 = no tests collected fails too).
-test: install images lint typecheck stress-ng
+test: install images lint typecheck stress-ng floors
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # --- demo and benchmarks -----------------------------------------------------------------------------------

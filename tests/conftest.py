@@ -36,8 +36,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.section("time by test file (set-up + call + teardown)")
     for name, seconds in ranked[:25]:
         terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {name}")
-    rest = sum(seconds for _, seconds in ranked[25:])
-    terminalreporter.write_line(
-        f"{rest:8.1f}s {100 * rest / total:5.1f}%  ({len(ranked) - 25} more)"
-    )
+    if len(ranked) > 25:
+        rest = sum(seconds for _, seconds in ranked[25:])
+        terminalreporter.write_line(
+            f"{rest:8.1f}s {100 * rest / total:5.1f}%  ({len(ranked) - 25} more)"
+        )
     terminalreporter.write_line(f"{total:8.1f}s 100.0%  in all")
