@@ -149,13 +149,19 @@ class _ConnectedRuntime(Runtime):
         import paramiko
 
         assert self._control_slots is not None
+        seconds = timeout or self.config.io_timeout
         async with self._control_slots:
             conn = await self._connection()
             try:
-                return await self._thread(
-                    _run_control, conn.transport, script, stdin, timeout or self.config.io_timeout
-                )
+                return await self._thread(_run_control, conn.transport, script, stdin, seconds)
             except (paramiko.SSHException, OSError, EOFError) as exc:
+                if _timed_out(exc) and conn.transport.is_active():
+                    # A slow server (a loaded host), not a dead connection: that is for the
+                    # keepalives to say. Marked broken, the next call would close the
+                    # connection under every call in flight on it.
+                    raise SandboxTransportError(
+                        f"{self.describe()}: a control command got no answer within {seconds:g}s"
+                    ) from exc
                 raise self._broken(conn, "a control command", exc) from exc
 
     async def _sftp_call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -281,3 +287,9 @@ class _ConnectedRuntime(Runtime):
                     exc,
                 )
                 self._forwards.pop(port, None)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether paramiko gave up waiting for an answer (it has no type of its own for an
+    unanswered channel open)."""
+    return isinstance(exc, TimeoutError) or str(exc).startswith("Timeout opening channel")

@@ -230,3 +230,46 @@ async def test_an_idle_connection_whose_server_answers_its_keepalives_stays_up(
         assert conn.transport.is_active() and rt._conn is conn
         assert (await rt.exec(["echo", "ok"])).stdout == "ok\n"
         assert rt._conn is conn
+
+
+async def test_a_control_command_left_unanswered_leaves_the_connection_to_its_calls(
+    sshd: SSHServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a loaded host a kill's control channel can wait past its short deadline
+    ("Timeout opening channel"). That is a slow server, not a dead connection (the
+    keepalives say which): the control command fails typed, and the calls in flight on the
+    connection carry on. Marked broken (the old code), the next call reconnected and closed
+    the connection under all of them: a cancellation storm under load lost both SSH sandboxes'
+    channel agents that way."""
+    import paramiko
+
+    import runtimes.ssh.connected as connected
+    from runtimes.ssh.control import _kill_script
+
+    async with open_runtime(sshd.config()) as rt:
+        assert isinstance(rt, SSHRuntime)
+        conn = rt._conn
+        assert conn is not None
+        outcome: dict[str, object] = {}
+
+        async def run() -> None:
+            outcome["exec"] = await _outcome(
+                lambda: rt.exec(["sh", "-c", "sleep 2; echo through"], timeout=60)
+            )
+
+        def unanswered(*args: object) -> None:
+            raise paramiko.SSHException("Timeout opening channel.")
+
+        with anyio.fail_after(WATCHDOG):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await anyio.sleep(0.5)
+                with monkeypatch.context() as patch:
+                    patch.setattr(connected, "_run_control", unanswered)
+                    with pytest.raises(SandboxTransportError):
+                        await rt._control(_kill_script([12345]), timeout=0.5)
+                assert await rt.exists("nothing-here") is False  # the next call
+        result = outcome["exec"]
+        assert not isinstance(result, BaseException), result
+        assert result.stdout == "through\n"  # type: ignore[attr-defined]
+        assert rt._conn is conn and conn.usable()
