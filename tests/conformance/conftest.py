@@ -1,14 +1,17 @@
 """Conformance classes that repeat a backend as another user (``user_variant = True``: Docker as
 ``nobody``, SSH with a password account) exist for what depends on the user: permissions,
-``user=``, the agent's and the shell's privileges. The streaming and incremental-stdin checks run
-the same code whoever the user is, on every backend's main classes (with and without the
-channel, asyncio and trio); they are deselected on these variants to keep the suite's time."""
+``user=``, the agent's and the shell's privileges. The streaming checks (``stream_*`` and the
+``on_output`` callback's ``on_output_*``) and the incremental-stdin checks run the same code
+whoever the user is, on every backend's main classes (with and without the channel); they are
+deselected on these variants to keep the suite's time. (Killing a command's tree as the
+sandbox's user, which ``on_output_error_kills_tree`` ends with, stays covered there by
+``timeout_kills_tree`` and ``cancellation_kills_tree``.)"""
 
 from __future__ import annotations
 
 import pytest
 
-USER_INDEPENDENT_PREFIXES = ("stream_", "stdin_iterable_")
+USER_INDEPENDENT_PREFIXES = ("stream_", "on_output_", "stdin_iterable_")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
