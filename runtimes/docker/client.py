@@ -93,6 +93,10 @@ def _client_for(config: DockerConfig) -> docker.DockerClient:
             use_ssh_client=False,
             max_pool_size=_THREADS,
         )
+    # requests scans os.environ for proxy settings on every request: slower, and a KeyError
+    # when another thread removes a variable during the scan (seen: a teardown's monkeypatch
+    # under a removal in the reaper's thread). The engine is not reached through a proxy.
+    client.api.trust_env = False
     with _CLIENTS_LOCK:
         return _CLIENTS.setdefault(key, client)
 

@@ -129,3 +129,22 @@ def test_a_writer_blocked_in_sendall_fails_and_releases_after_close() -> None:
         assert ours.fileno() == -1, "released by the writer on its way out"
     finally:
         theirs.close()
+
+
+def test_engine_calls_do_not_scan_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """requests reads proxy settings from ``os.environ`` on every request unless told not to;
+    iterating ``os.environ`` while another thread removes a variable raises ``KeyError``
+    (seen: a removal in the reaper's thread during a test's monkeypatch teardown). The
+    engine's client does not look."""
+    import requests.sessions
+
+    from runtimes.docker.client import _client_for
+    from runtimes.docker.config import DockerConfig
+
+    def scanned(*args: object, **kwargs: object) -> object:
+        raise KeyError("VF_TEST_GONE")
+
+    client = _client_for(DockerConfig(image="vf-sandbox/base:bookworm"))  # asks for the version
+    monkeypatch.setattr(requests.sessions, "get_environ_proxies", scanned)
+    assert client.api.ping() is True
+    assert client.api.version()["ApiVersion"]
