@@ -26,9 +26,8 @@ from typing import Any
 
 import anyio.to_thread
 
-from runtimes import open_runtime
+from runtimes import open_runtime, remove_snapshot
 from runtimes.docker import DockerConfig
-from runtimes.snapshot import remove_snapshot
 from runtimes.subprocess import SubprocessConfig
 
 from .stats import Series

@@ -86,6 +86,13 @@ from runtimes.machinery import isolated_python, run_machinery
 
 from .base import Budget, BudgetClock, Harness, HarnessConfig, Trace
 from .errors import HarnessConfigError, HarnessInstallError, ProxyRouteError
+from .installed_scripts import (
+    INSTALL_SCRIPT,
+    MAKE_BASE,
+    PYTHON_PROBE,
+    TREE_DIGEST,
+    VERSION_CHECK,
+)
 from .llm import Message, ModelEndpoint
 from .proxy import ModelProxy, ProxyRoute, ProxyRun, route_to_host
 from .wheel_check import verify_install
@@ -103,71 +110,6 @@ __all__ = [
 log = logging.getLogger("harnesses.installed")
 
 _BUDGET_POLL = 0.2
-
-_MAKE_BASE = r"""
-set -eu
-root=$1 dir=$2 base=$3
-for d in "$root" "$dir"; do
-  if [ -L "$d" ]; then echo "vf-install: refusing a symlink at $d" >&2; exit 92; fi
-done
-mkdir -p "$dir"
-mkdir -m 0755 "$base"
-"""
-
-_INSTALL_SCRIPT = r"""
-set -eu
-dir=$1 base=$2 venv=$3 wheels=$4 py=$5 wait=$6
-shift 6
-req="$*"
-trap 'st=$?; rm -rf "$wheels"; [ "$st" -eq 0 ] || rm -rf "$base"' EXIT
-if ! command -v flock >/dev/null 2>&1; then
-  echo "vf-install: flock is missing in the sandbox" >&2; exit 90
-fi
-exec 9>>"$dir/install.lock"
-if ! flock -w "$wait" 9; then
-  echo "vf-install: timed out waiting for $dir/install.lock" >&2; exit 91
-fi
-"$py" -I -m venv "$venv"
-"$venv/bin/python" -I -m pip install --isolated --no-input --disable-pip-version-check \
-  --no-cache-dir --quiet --only-binary=:all: --no-index --find-links "$wheels" "$@"
-echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) installed $req into $venv pid=$$" >> "$dir/install.log"
-echo "vf-install: installed $req"
-"""
-
-# The venv's tree digest, computed by the sandbox's interpreter in isolated mode (no
-# site, no user path) from ``lstat`` alone: every path with its type, mode, owner, size,
-# inode, mtime and ctime, and link targets (never followed). Changing or replacing a file
-# changes its ctime or inode, which no unprivileged process can set back; reading
-# nothing keeps the check fast on a large venv.
-_TREE_DIGEST = r"""
-import hashlib, os, stat, sys
-digest = hashlib.sha256()
-def walk(path, rel):
-    st = os.lstat(path)
-    fields = (rel, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_ino, st.st_mtime_ns,
-              st.st_ctime_ns)
-    digest.update(repr(fields).encode("utf-8", "surrogateescape"))
-    if stat.S_ISLNK(st.st_mode):
-        digest.update(os.fsencode(os.readlink(path)))
-    elif stat.S_ISDIR(st.st_mode):
-        for name in sorted(os.listdir(path)):
-            walk(os.path.join(path, name), rel + "/" + name)
-    digest.update(b"\n")
-walk(sys.argv[1], ".")
-print(digest.hexdigest())
-"""
-
-_VERSION_CHECK = (
-    "import importlib.metadata as m, sys\n"
-    "try:\n    print(m.version(sys.argv[1]))\n"
-    "except m.PackageNotFoundError:\n    sys.exit(3)\n"
-)
-
-_PYTHON_PROBE = (
-    "import platform, sys\n"
-    "print(f'{sys.version_info[0]}.{sys.version_info[1]}', platform.machine(), "
-    "platform.libc_ver()[1] or 'none')\n"
-)
 
 
 class InstalledConfig(HarnessConfig):
@@ -323,7 +265,7 @@ class InstalledHarness(Harness):
             return None
         probe = await run_machinery(
             runtime,
-            isolated_python(f"{known.venv}/bin/python", "-c", _VERSION_CHECK, self.package),
+            isolated_python(f"{known.venv}/bin/python", "-c", VERSION_CHECK, self.package),
             timeout=60,
         )
         return probe.stdout.strip() if probe.exit_code == 0 else None
@@ -367,7 +309,7 @@ class InstalledHarness(Harness):
     async def _tree_digest(self, runtime: Runtime, venv: str) -> str | None:
         probe = await run_machinery(
             runtime,
-            isolated_python(self.config.python, "-c", _TREE_DIGEST, venv, site=False),
+            isolated_python(self.config.python, "-c", TREE_DIGEST, venv, site=False),
             timeout=600,
         )
         digest = probe.stdout.strip()
@@ -381,12 +323,12 @@ class InstalledHarness(Harness):
         venv = f"{base}/venv"
         made = await run_machinery(
             runtime,
-            ["sh", "-c", _MAKE_BASE, "vf-install", self.config.install_root, self.agent_dir, base],
+            ["sh", "-c", MAKE_BASE, "vf-install", self.config.install_root, self.agent_dir, base],
         )
         if made.exit_code != 0:
             raise HarnessInstallError(f"cannot create {base}: {_tail(made.stderr)}")
         local, wheels = await self._upload_wheelhouse(runtime, f"{base}/wheelhouse")
-        argv = ["sh", "-c", _INSTALL_SCRIPT, "vf-install", self.agent_dir, base, venv, wheels]
+        argv = ["sh", "-c", INSTALL_SCRIPT, "vf-install", self.agent_dir, base, venv, wheels]
         argv += [self.config.python, str(int(self.config.lock_timeout)), *self.requirements]
         try:
             result = await self._run_install(runtime, argv)
@@ -424,7 +366,7 @@ class InstalledHarness(Harness):
         try:
             probe = await run_machinery(
                 runtime,
-                isolated_python(self.config.python, "-c", _PYTHON_PROBE, site=False),
+                isolated_python(self.config.python, "-c", PYTHON_PROBE, site=False),
                 timeout=60,
             )
         except SandboxError as exc:

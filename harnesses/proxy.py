@@ -80,7 +80,16 @@ from .base import Budget, BudgetClock, Trace, Turn, utc_now
 from .errors import ModelResponseError, ProxyRouteError
 from .gate import RequestGate
 from .llm import ModelEndpoint, parse_chat_completion, redact
-from .proxy_replies import SSE_PIECE, cut_at_budget, sse_body, streamed
+from .proxy_replies import (
+    BUDGET_EXCEEDED_STATUS,
+    SSE_PIECE,
+    cut_at_budget,
+    model_card,
+    refused,
+    sse_body,
+    streamed,
+    unauthenticated,
+)
 from .proxy_requests import (
     MAX_REJECTIONS_KEPT,
     ProxyRequestError,
@@ -106,7 +115,6 @@ __all__ = [
 
 log = logging.getLogger("harnesses.proxy")
 
-BUDGET_EXCEEDED_STATUS = 429
 _CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
 _MODELS_PATHS = frozenset({"/v1/models", "/models"})
 
@@ -324,15 +332,15 @@ class ModelProxy:
 
     def _admit_head(self, head: HTTPRequest) -> HTTPResponse | None:
         """Before any of the body is read: no run's secret, no reading (a 401)."""
-        return None if self._authenticate(head) is not None else _unauthenticated()
+        return None if self._authenticate(head) is not None else unauthenticated()
 
     def _handle(self, request: HTTPRequest) -> HTTPResponse:
         path = request.path.split("?", 1)[0].rstrip("/")
         run = self._authenticate(request)
         if run is None:  # closed between its head and its body
-            return _unauthenticated()
+            return unauthenticated()
         if request.method == "GET" and path in _MODELS_PATHS:
-            return json_response(200, {"object": "list", "data": [_model_card(run.model)]})
+            return json_response(200, {"object": "list", "data": [model_card(run.model)]})
         if request.method != "POST" or path not in _CHAT_PATHS:
             return error_response(404, f"no route {request.method} {request.path}")
         try:
@@ -399,7 +407,7 @@ class ModelProxy:
                     reason, message = exhausted
                     run.trace.fail(reason, message)
             if reason is not None:
-                return None, _refused(reason, message)
+                return None, refused(reason, message)
             if run.in_flight >= self.max_in_flight:
                 return None, error_response(
                     429,
@@ -580,26 +588,3 @@ class ModelProxy:
             turn.status_code = status
             turn.error = message
         return error_response(status, message, kind="upstream_error")
-
-
-def _unauthenticated() -> HTTPResponse:
-    return error_response(
-        401,
-        "missing or invalid API key for the vf-sandbox model proxy",
-        kind="authentication_error",
-        code="invalid_api_key",
-    )
-
-
-def _refused(reason: str, message: str) -> HTTPResponse:
-    return error_response(
-        BUDGET_EXCEEDED_STATUS,
-        f"vf-sandbox: {message}; this run may make no more model calls",
-        kind="budget_exceeded" if reason.startswith("budget_") else "run_failed",
-        code=reason,
-        headers={"x-should-retry": "false"},
-    )
-
-
-def _model_card(model: str) -> dict[str, Any]:
-    return {"id": model, "object": "model", "owned_by": "vf-sandbox-proxy"}

@@ -1,5 +1,7 @@
 """What the model proxy sends back: a whole chat completion re-cut as server-sent events
-(:func:`sse_body`), and a completion cut at the token budget (:func:`cut_at_budget`)."""
+(:func:`sse_body`), a completion cut at the token budget (:func:`cut_at_budget`), and its
+own answers: an unauthenticated call (:func:`unauthenticated`), a call refused because the
+run may make no more (:func:`refused`), its model list (:func:`model_card`)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,22 @@ import secrets
 import time
 from typing import Any
 
-from ._http import HTTPResponse
+from ._http import HTTPResponse, error_response
 
-__all__ = ["CHARS_PER_TOKEN", "SSE_PIECE", "cut_at_budget", "sse_body", "streamed"]
+__all__ = [
+    "BUDGET_EXCEEDED_STATUS",
+    "CHARS_PER_TOKEN",
+    "SSE_PIECE",
+    "cut_at_budget",
+    "model_card",
+    "refused",
+    "sse_body",
+    "streamed",
+    "unauthenticated",
+]
+
+BUDGET_EXCEEDED_STATUS = 429
+"""The status of a call refused because the run's budget is spent or the run failed."""
 
 CHARS_PER_TOKEN = 4
 """Characters per token where the proxy must guess (it has no tokenizer)."""
@@ -103,3 +118,26 @@ def sse_body(completion: dict[str, Any], *, include_usage: bool = False) -> byte
     lines = [f"data: {json.dumps(event, separators=(',', ':'))}\n\n" for event in events]
     lines.append("data: [DONE]\n\n")
     return "".join(lines).encode("utf-8")
+
+
+def unauthenticated() -> HTTPResponse:
+    return error_response(
+        401,
+        "missing or invalid API key for the vf-sandbox model proxy",
+        kind="authentication_error",
+        code="invalid_api_key",
+    )
+
+
+def refused(reason: str, message: str) -> HTTPResponse:
+    return error_response(
+        BUDGET_EXCEEDED_STATUS,
+        f"vf-sandbox: {message}; this run may make no more model calls",
+        kind="budget_exceeded" if reason.startswith("budget_") else "run_failed",
+        code=reason,
+        headers={"x-should-retry": "false"},
+    )
+
+
+def model_card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "owned_by": "vf-sandbox-proxy"}

@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .cli_exec import run_interruptible
-from .cli_output import print_json, print_table, say, shorten
-from .errors import PlacementConfigError
+from harnesses.errors import HarnessConfigError, HarnessError, ModelConfigError, ModelError
+from runtimes.cli import Command, CommandFactory, parse_runtime, run_interruptible
+from runtimes.cli.output import print_json, print_table, say, shorten
+
+from .errors import PlacementConfigError, PlacementError
 from .requirements import Requirement, parse_requirement
 
 if TYPE_CHECKING:  # imported when judging: the other commands start without them
@@ -29,7 +31,14 @@ if TYPE_CHECKING:  # imported when judging: the other commands start without the
     from .run import AgentRun
     from .specs import JudgeSpec
 
-__all__ = ["EXIT_REQUIREMENT", "cmd_judge", "print_judge_report", "require_argument"]
+__all__ = [
+    "EXIT_REQUIREMENT",
+    "JUDGE_COMMAND",
+    "add_judge_command",
+    "cmd_judge",
+    "print_judge_report",
+    "require_argument",
+]
 
 EXIT_REQUIREMENT = 3
 """Every judge produced a verdict, but one does not meet a ``--require``."""
@@ -116,7 +125,6 @@ def cmd_judge(args: argparse.Namespace) -> int:
     """
     from harnesses.llm import ModelTable
 
-    from .cli import parse_runtime
     from .rollout import environment_models, judge_rollout, load_rollout, scripted_models
     from .specs import load_judges
 
@@ -213,3 +221,57 @@ def print_judge_report(
             say(f"  {r.name}: {text}")
     for item in failed:
         say(f"requirement {item['requirement']!r} not met by {item['judge']}: {item['reason']}")
+
+
+def add_judge_command(command: CommandFactory) -> None:
+    """Register ``judge`` with the ``vf-sandbox`` parser's ``command``."""
+    judge = command("judge", "judge a recorded rollout (the main job)", reporting=True)
+    judge.add_argument("rollout", help="rollout directory: task.json, trace.json, files/")
+    judge.add_argument("--judges", required=True, help="YAML/JSON file of judge specs")
+    judge.add_argument(
+        "--runtime",
+        default="subprocess",
+        help="where the rollout's world lives: a type name or a JSON config",
+    )
+    judge.add_argument("--models", help="YAML/JSON model table")
+    judge.add_argument(
+        "--scripted",
+        help="offline: a JSON file of scripted replies per judge (format: docs/cli.md, "
+        "'The --scripted replies file'; schema: harnesses.scripted.ScriptFile)",
+    )
+    judge.add_argument(
+        "--out",
+        default="agent-runs.json",
+        help="where to write the runs (default: %(default)s; an existing file needs --force)",
+    )
+    judge.add_argument(
+        "--force", action="store_true", help="replace --out when it exists (else: exit 2)"
+    )
+    judge.add_argument(
+        "--require",
+        action="append",
+        type=require_argument,
+        metavar="EXPR",
+        help="exit 3 unless every verdict meets EXPR, [JUDGE:]FIELD OP VALUE "
+        "(e.g. 'score>=0.5', 'passed==true'; repeatable; docs/cli.md)",
+    )
+    judge.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="bound the whole judging: judges still running then fail (JudgeBudgetExceeded)",
+    )
+    judge.set_defaults(func=cmd_judge)
+
+
+JUDGE_COMMAND = Command(
+    name="judge",
+    add=add_judge_command,
+    summary="judge a recorded rollout with the judges of a file",
+    intro='Its main job is "judge": judge a recorded rollout with the judges of a file, print a\n'
+    "verdict table and write every agent run as JSON.",
+    # A judges file, a model table or a --require the user wrote wrong: exit 2.
+    usage_errors=(PlacementConfigError, HarnessConfigError, ModelConfigError),
+    errors=(PlacementError, HarnessError, ModelError),
+)
+"""``judge``, as placement registers it in the ``vf_sandbox.commands`` entry-point group."""

@@ -44,7 +44,7 @@ from harnesses.llm import ChatReply, Message, ToolCall
 from harnesses.proxy_requests import ProxyRequestError, parse_json_bounded
 
 from .errors import RecordInvalid
-from .transcript import RecordedMessage, _problems
+from .transcript import RecordedMessage, validation_summary
 
 __all__ = [
     "MAX_HISTORY_BYTES",
@@ -210,7 +210,7 @@ def load_trace(document: bytes | str | Any) -> Trace:
     except RecursionError:
         raise RecordInvalid("the trace is nested too deeply") from None
     except ValidationError as exc:
-        raise RecordInvalid(f"the trace is malformed: {_problems(exc)}") from None
+        raise RecordInvalid(f"the trace is malformed: {validation_summary(exc)}") from None
 
 
 # ---------------------------------------------------------------------- messages
@@ -241,7 +241,7 @@ def _canonical(index: int, message: Any) -> tuple[Message, ChatReply | None]:
     try:
         RecordedMessage.model_validate(copy)
     except ValidationError as exc:
-        raise RecordInvalid(f"message {index} is malformed: {_problems(exc)}") from None
+        raise RecordInvalid(f"message {index} is malformed: {validation_summary(exc)}") from None
     return copy, None
 
 

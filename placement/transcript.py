@@ -56,6 +56,7 @@ __all__ = [
     "render_transcript",
     "scrub",
     "validate_record",
+    "validation_summary",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -152,7 +153,9 @@ def validate_record(trace: Trace) -> Record:
     except RecursionError:
         raise RecordInvalid("the rollout's trace is nested too deeply") from None
     except ValidationError as exc:
-        raise RecordInvalid(f"the rollout's trace is malformed: {_problems(exc)}") from None
+        raise RecordInvalid(
+            f"the rollout's trace is malformed: {validation_summary(exc)}"
+        ) from None
     messages: list[list[RecordedMessage]] = []
     for number, turn in enumerate(copy.turns):
         typed = []
@@ -162,13 +165,14 @@ def validate_record(trace: Trace) -> Record:
             except ValidationError as exc:
                 raise RecordInvalid(
                     f"the rollout's trace is malformed: turn {number}, request message "
-                    f"{index}: {_problems(exc)}"
+                    f"{index}: {validation_summary(exc)}"
                 ) from None
         messages.append(typed)
     return Record(copy, messages)
 
 
-def _problems(exc: ValidationError) -> str:
+def validation_summary(exc: ValidationError) -> str:
+    """A record's validation errors on one line: the first five, and how many more."""
     lines = validation_lines(exc)
     more = f" (and {len(lines) - 5} more)" if len(lines) > 5 else ""
     return "; ".join(lines[:5]) + more

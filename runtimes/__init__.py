@@ -6,10 +6,9 @@ SDK is imported when that backend is used.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from .base import Runtime, live_runtimes
 from .channel.agent.wire import PathInfo
+from .cleanup import cleanup_sandboxes, remove_snapshot
 from .config import RuntimeConfig, RuntimeConfigError
 from .errors import (
     BuildContextError,
@@ -37,6 +36,7 @@ from .errors import (
     UnsafeArchiveMemberError,
     names_the_program,
 )
+from .lifecycle import State
 from .listing import FileInfo
 from .models import ExecRequest, ExecResult, OutputSink, SandboxInfo
 from .pool import PoolClosedError, PoolTimeoutError, RuntimePool
@@ -50,17 +50,9 @@ from .registry import (
     resolve_runtime_config,
     runtime_is_local,
 )
-from .snapshot import (
-    SandboxSnapshot,
-    SnapshotNotFoundError,
-    SnapshotUnsupportedError,
-    remove_snapshot,
-)
+from .snapshot import SandboxSnapshot, SnapshotNotFoundError, SnapshotUnsupportedError
 from .subprocess import SubprocessConfig, SubprocessRuntime
 from .sync import BlockingCallInEventLoopError, SyncRuntime, SyncShellSession, open_runtime_sync
-
-if TYPE_CHECKING:
-    from .cleanup import cleanup_sandboxes
 
 __all__ = [
     "BlockingCallInEventLoopError",
@@ -102,6 +94,7 @@ __all__ = [
     "ShellSessionError",
     "SnapshotNotFoundError",
     "SnapshotUnsupportedError",
+    "State",
     "SubprocessConfig",
     "SubprocessRuntime",
     "SyncRuntime",
@@ -121,11 +114,3 @@ __all__ = [
     "resolve_runtime_config",
     "runtime_is_local",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "cleanup_sandboxes":
-        from .cleanup import cleanup_sandboxes
-
-        return cleanup_sandboxes
-    raise AttributeError(f"module 'runtimes' has no attribute {name!r}")

@@ -177,7 +177,7 @@ def _split(member: str, name: str) -> list[str]:
     return parts
 
 
-def _check_symlink(member: str, where: list[str], target: str, keep: bool = False) -> None:
+def check_symlink(member: str, where: list[str], target: str, keep: bool = False) -> None:
     """Refuse a symlink target that is absolute or could resolve outside the destination.
 
     Only leading ``..`` components may climb, and no higher than the link's own
@@ -273,7 +273,7 @@ class _Extractor:
             raise UnsafeArchiveMemberError(shown, "a non-directory at the destination itself")
         key = tuple(parts)
         if member.issym():
-            _check_symlink(shown, parts[:-1], member.linkname, self._keep_links)
+            check_symlink(shown, parts[:-1], member.linkname, self._keep_links)
             parent = self._dir(shown, parts[:-1])
             self._clear(shown, parent, parts[-1])
             os.symlink(member.linkname, parts[-1], dir_fd=parent)

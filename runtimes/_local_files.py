@@ -37,11 +37,19 @@ def shell_error(path: str, sink: OutputSink) -> SandboxError:
     return SandboxError(f"operation on {path!r} failed: {message or 'no message'}")
 
 
-def tar_directory(source: Path) -> bytes:
+def tar_directory(source: Path, *, root_owned: bool = False) -> bytes:
+    """The contents of a local directory as a tar (``root_owned``: every member owned by
+    root, for an archive API that keeps the tar's owners, Docker's)."""
+
+    def owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = "root"
+        return info
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for entry in sorted(source.iterdir()):
-            tar.add(entry, arcname=entry.name)
+            tar.add(entry, arcname=entry.name, filter=owned_by_root if root_owned else None)
     return buf.getvalue()
 
 

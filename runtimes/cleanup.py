@@ -8,7 +8,8 @@ sandbox kept on purpose (``keep=True``, :func:`runtimes.ownership.is_kept`) is l
 whatever its session or age, unless ``kept=True`` (``cleanup --kept``) or ``all_sessions``.
 
 Snapshots (:mod:`runtimes.snapshot`) are swept by the same rules, after each backend's
-sandboxes (a Docker snapshot's image cannot go while a fork's container uses it).
+sandboxes (a Docker snapshot's image cannot go while a fork's container uses it);
+:func:`remove_snapshot` removes one by hand.
 """
 
 from __future__ import annotations
@@ -18,17 +19,15 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from . import ownership
+from .base import Runtime
 from .config import RuntimeConfig
-from .errors import SandboxError
+from .errors import SandboxError, SandboxInvalidArgumentError
 from .models import SandboxInfo
 from .registry import available_runtimes, load_runtime_class, resolve_runtime_config
-from .snapshot import SandboxSnapshot, release
-
-if TYPE_CHECKING:
-    from .base import Runtime
+from .snapshot import SandboxSnapshot, held_config, release
 
 log = logging.getLogger("runtimes.cleanup")
 
@@ -40,8 +39,6 @@ NOT_LISTABLE = (
 def lists_sandboxes(cls: type[Runtime]) -> bool:
     """Whether a backend overrides :meth:`Runtime.list_sandboxes` (the base's finds nothing,
     which must not read as "no sandboxes")."""
-    from .base import Runtime
-
     return getattr(cls.list_sandboxes, "__func__", None) is not getattr(
         Runtime.list_sandboxes, "__func__", None
     )
@@ -152,6 +149,34 @@ async def cleanup_sandboxes(
                 "snapshot",
             )
     return results
+
+
+async def remove_snapshot(
+    snapshot: SandboxSnapshot, config: RuntimeConfig | Mapping[str, Any] | str | None = None
+) -> None:
+    """Delete ``snapshot``; one already gone is fine. Forks already opened from it go on.
+
+    ``config`` tells the backend where the snapshot lives (a Docker ``base_url``, an SSH
+    host and its credentials); by default, the config of the runtime that took it, when this
+    process took it, else the backend's default config (SSH has none: pass it).
+
+    Raises:
+        SnapshotUnsupportedError: the backend cannot take snapshots.
+        SandboxInvalidArgumentError: ``config`` is of another backend, ``snapshot`` is not one
+            of this backend's snapshots, or SSH without a config.
+        SandboxError: the backend refused (Docker: a fork's container still uses the image).
+        SandboxTransportError: the backend could not be reached.
+    """
+    resolved = None if config is None else resolve_runtime_config(config)
+    if resolved is not None and resolved.type != snapshot.backend:
+        raise SandboxInvalidArgumentError(
+            f"{snapshot.describe()} cannot be removed with a {resolved.type!r} config"
+        )
+    cls = load_runtime_class(snapshot.backend)
+    if resolved is None:
+        resolved = held_config(snapshot)
+    await cls.destroy_snapshot(snapshot, resolved)
+    release(snapshot)
 
 
 async def _remove_snapshot(

@@ -14,6 +14,7 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from .errors import SandboxInvalidArgumentError
 from .models import DEFAULT_OUTPUT_LIMIT, DEFAULT_READ_LIMIT
+from .plugins import validation_lines
 from .resources import ByteCount, ResourceLimits
 
 
@@ -63,8 +64,6 @@ class RuntimeConfigError(SandboxInvalidArgumentError):
 def config_error_from_validation(
     type_name: str, exc: ValidationError, model: type[RuntimeConfig] | None = None
 ) -> RuntimeConfigError:
-    from .plugins import validation_lines
-
     return RuntimeConfigError(
         f"invalid {type_name!r} runtime config:\n"
         + "\n".join(f"  {line}" for line in validation_lines(exc, model)),

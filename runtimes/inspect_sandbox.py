@@ -66,7 +66,7 @@ from .errors import (
     names_the_program,
 )
 from .inspect_files import read_as, write_as
-from .keep import find_sandbox
+from .locate import find_sandbox
 from .models import Stream
 from .registry import open_runtime, resolve_runtime_config
 from .terminal import terminal_safe

@@ -1,4 +1,5 @@
-"""A runtime's lifecycle state, and the one registry of runtimes still open at exit.
+"""A runtime's lifecycle state, the one registry of runtimes still open at exit, and
+:func:`close_all` (several runtimes closed at once).
 
 Every started runtime is held (strongly: one nobody closed must still be reachable) in a
 process-wide registry until it closes; an ``atexit`` handler closes what is left, each runtime
@@ -11,14 +12,17 @@ import atexit
 import enum
 import logging
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import anyio
 
 from . import reaper
 
 if TYPE_CHECKING:
     from .base import Runtime
 
-__all__ = ["State", "live_runtimes"]
+__all__ = ["State", "close_all", "live_runtimes"]
 
 log = logging.getLogger("runtimes")
 
@@ -73,3 +77,19 @@ def _register_backstop_last() -> None:
 
 
 atexit.register(_close_leftovers)
+
+
+async def close_all(runtimes: Sequence[Runtime]) -> list[Exception]:
+    """Close ``runtimes`` concurrently; the errors of those that failed."""
+    failures: list[Exception] = []
+
+    async def close(runtime: Runtime) -> None:
+        try:
+            await runtime.close()
+        except Exception as exc:  # noqa: BLE001 - every one is closed; the first is raised
+            failures.append(exc)
+
+    async with anyio.create_task_group() as group:
+        for runtime in runtimes:
+            group.start_soon(close, runtime)
+    return failures

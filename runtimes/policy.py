@@ -79,7 +79,9 @@ class PolicyAccount:
     """Makes the policy's account once per sandbox, before the first command that uses it."""
 
     def __init__(self) -> None:
-        self._ready = False
+        self.ready = False
+        """Whether the account is made and handed its directory (a fork whose snapshot holds
+        it already sets this)."""
         self._lock = anyio.Lock()
 
     async def ensure(
@@ -103,12 +105,12 @@ class PolicyAccount:
             ProvisioningError: the account is missing and may not be made, or could not be
                 made (no writable ``/etc/passwd``, no ``chown``).
         """
-        if self._ready:
+        if self.ready:
             return
         async with self._lock:
-            if not self._ready:  # else a concurrent first use made it meanwhile
+            if not self.ready:  # else a concurrent first use made it meanwhile
                 await _make(name, run, workdir, create=create, through=through, uid=uid)
-                self._ready = True
+                self.ready = True
 
 
 async def _make(

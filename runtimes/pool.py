@@ -36,11 +36,11 @@ import collections
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 import anyio
 import anyio.lowlevel
@@ -62,7 +62,9 @@ from .errors import (
     SandboxTransportError,
     SandboxUnavailableError,
 )
+from .lifecycle import State, close_all
 from .ownership import LABEL_PREFIX
+from .pooled import open_pooled, pool_for
 from .registry import open_runtime, resolve_runtime_config
 
 __all__ = [
@@ -165,7 +167,7 @@ class RuntimePool:
         self.retry_backoff = retry_backoff
         labels = {**self.config.labels, POOL: self.id}
         self._pooled_config = self.config.model_copy(update={"labels": labels})
-        self._state: Literal["new", "open", "closed"] = "new"
+        self._state = State.NEW
         self._stack: AsyncExitStack | None = None
         self._group: TaskGroup | None = None
         self._ready: collections.deque[_Ready] = collections.deque()
@@ -183,7 +185,7 @@ class RuntimePool:
     def __repr__(self) -> str:
         return (
             f"RuntimePool({self.config.type!r}, id={self.id}, size={self.size}, "
-            f"ready={self.ready}, creating={self.creating}, {self._state})"
+            f"ready={self.ready}, creating={self.creating}, {self._state.value})"
         )
 
     # ------------------------------------------------------------------ state
@@ -209,8 +211,15 @@ class RuntimePool:
         return self._handed_out
 
     @property
+    def state(self) -> State:
+        """Where the pool is in its life: ``NEW`` until ``async with`` opens it, ``OPEN``
+        inside the block, ``CLOSED`` after (:class:`~runtimes.lifecycle.State`; a pool is
+        never ``STARTING`` or ``CLOSING``)."""
+        return self._state
+
+    @property
     def closed(self) -> bool:
-        return self._state == "closed"
+        return self._state == State.CLOSED
 
     def serves(self, config: RuntimeConfig | Mapping[str, Any] | str) -> bool:
         """Whether ``config`` (resolved) is this pool's config.
@@ -228,13 +237,13 @@ class RuntimePool:
         Raises:
             PoolClosedError: the pool was already entered (a pool opens once).
         """
-        if self._state != "new":
+        if self._state != State.NEW:
             raise PoolClosedError(f"{self._name()} was already opened; make a new pool")
         self._changed = anyio.Event()
         async with AsyncExitStack() as stack:
             self._group = await stack.enter_async_context(anyio.create_task_group())
             self._stack = stack.pop_all()
-        self._state = "open"
+        self._state = State.OPEN
         self._group.start_soon(self._expire_idle)
         self._refill()
         return self
@@ -254,7 +263,7 @@ class RuntimePool:
             SandboxTransportError: some ready sandboxes could not be confirmed gone (they
                 are left to ``vf-sandbox cleanup``); every other one was still closed.
         """
-        self._state = "closed"
+        self._state = State.CLOSED
         for waiter in self._take_waiters():
             waiter.pool_closed = True
             waiter.done.set()
@@ -267,7 +276,7 @@ class RuntimePool:
             await self._stack.__aexit__(None, None, None)
         finally:
             with anyio.CancelScope(shield=True):
-                failures = await _close_all([entry.runtime for entry in self._ready])
+                failures = await close_all([entry.runtime for entry in self._ready])
                 self._ready.clear()
         if failures:
             raise SandboxTransportError(
@@ -351,10 +360,10 @@ class RuntimePool:
         runtime, waiter.runtime = waiter.runtime, None
         if runtime is None:
             return
-        if self._state == "open":
+        if self._state == State.OPEN:
             self._stock(runtime)
         else:
-            await _close_all([runtime])
+            await close_all([runtime])
 
     async def wait_ready(self, count: int | None = None) -> None:
         """Wait until ``count`` (default: ``size``) sandboxes are ready; refills a pool
@@ -375,7 +384,7 @@ class RuntimePool:
         self._refill()
         failures = self._failures
         while len(self._ready) < want:
-            if self._state != "open":
+            if self._state != State.OPEN:
                 raise PoolClosedError(f"{self._name()} was closed while filling")
             if self._failures != failures:
                 raise self._provisioning_error(self._last_failure)
@@ -387,7 +396,7 @@ class RuntimePool:
     def _refill(self) -> None:
         """Start creations until ``size`` (none while dormant) plus one per waiting
         acquirer are ready or in flight, never more than ``max_create_concurrency``."""
-        if self._state != "open" or self._group is None:
+        if self._state != State.OPEN or self._group is None:
             return
         wanted = len(self._waiters) + (0 if self._dormant else self.size)
         missing = wanted - len(self._ready) - self._creating
@@ -521,8 +530,10 @@ class RuntimePool:
         changed.set()
 
     def _check_open(self) -> None:
-        if self._state != "open":
-            what = "was never opened (use `async with`)" if self._state == "new" else "is closed"
+        if self._state != State.OPEN:
+            what = (
+                "was never opened (use `async with`)" if self._state == State.NEW else "is closed"
+            )
             raise PoolClosedError(f"{self._name()} {what}")
 
     def _provisioning_error(self, failure: BaseException | None) -> ProvisioningError:
@@ -572,51 +583,3 @@ def _check_poolable(config: RuntimeConfig) -> None:
             f"this {config.type} config borrows one existing sandbox (attach mode): "
             "every acquirer of a pool would share it"
         )
-
-
-async def _close_all(runtimes: Sequence[Runtime]) -> list[Exception]:
-    """Close ``runtimes`` concurrently; the errors of those that failed."""
-    failures: list[Exception] = []
-
-    async def close(runtime: Runtime) -> None:
-        try:
-            await runtime.close()
-        except Exception as exc:  # noqa: BLE001 - every one is closed; the first is raised
-            failures.append(exc)
-
-    async with anyio.create_task_group() as group:
-        for runtime in runtimes:
-            group.start_soon(close, runtime)
-    return failures
-
-
-# ---------------------------------------------------------------------- finding a pool
-
-
-def pool_for(
-    pools: Sequence[RuntimePool] | None, config: RuntimeConfig | Mapping[str, Any] | str
-) -> RuntimePool | None:
-    """The first of ``pools`` whose config is ``config`` (resolved), or ``None``.
-
-    Raises:
-        RuntimeConfigError / UnknownRuntimeError / RuntimePluginError: ``config`` is invalid.
-    """
-    if not pools:
-        return None
-    resolved = resolve_runtime_config(config)
-    return next((pool for pool in pools if pool.config == resolved), None)
-
-
-def open_pooled(
-    config: RuntimeConfig | Mapping[str, Any] | str, pools: Sequence[RuntimePool] | None
-) -> AbstractAsyncContextManager[Runtime]:
-    """``async with open_pooled(config, pools) as rt``: a sandbox acquired from the pool
-    serving ``config`` when one does (:func:`pool_for`), else a fresh
-    ``open_runtime(config)``; closed when the block ends, either way.
-
-    Raises:
-        RuntimeConfigError / UnknownRuntimeError / RuntimePluginError: ``config`` is invalid.
-        On entering, what :meth:`RuntimePool.acquire` or ``Runtime.start`` raises.
-    """
-    pool = pool_for(pools, config)
-    return pool.acquire() if pool is not None else open_runtime(config)

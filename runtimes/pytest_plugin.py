@@ -111,7 +111,7 @@ def _no_docker(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
-def _missing_image_message(image: str) -> str:
+def missing_image_message(image: str) -> str:
     if image == DOCKER_TEST_IMAGE:
         how = (
             "it is vf-sandbox's offline Debian base image: build it from a vf-sandbox source "
@@ -133,14 +133,14 @@ def _missing_image_message(image: str) -> str:
     return f"Docker image {image!r} is not on this engine and the fixture does not pull it: {how}"
 
 
-def _require_docker_image(image: str, base_url: str | None = None) -> None:
+def require_docker_image(image: str, base_url: str | None = None) -> None:
     """Skip (or fail, see ``vf_sandbox_require_docker``) when no engine answers; fail when
     the image is missing (never pulled). Failures carry a message, not a traceback."""
     present = _image_present(image, base_url)
     if isinstance(present, str):
         _no_docker(present)
     if not present:
-        pytest.fail(_missing_image_message(image), pytrace=False)
+        pytest.fail(missing_image_message(image), pytrace=False)
 
 
 def _image_present(image: str, base_url: str | None) -> bool | str:
@@ -196,7 +196,7 @@ def docker_runtime_factory() -> Iterator[DockerRuntimeFactory]:
 
     def factory(image: str = DOCKER_TEST_IMAGE, **fields: Any) -> DockerRuntime:
         if image not in checked and fields.get("pull", "never") == "never":
-            _require_docker_image(image, fields.get("base_url"))
+            require_docker_image(image, fields.get("base_url"))
             checked.add(image)
         config = resolve_runtime_config({**fields, "type": "docker", "image": image})
         runtime = DockerRuntime(cast("DockerConfig", config))
@@ -219,7 +219,7 @@ def attached_container() -> Iterator[Any]:
     It keeps itself alive with a shell loop and has no network; its working directory is
     ``/srv``.
     """
-    _require_docker_image(DOCKER_TEST_IMAGE)
+    require_docker_image(DOCKER_TEST_IMAGE)
     try:
         from testcontainers.core.config import testcontainers_config
         from testcontainers.core.container import DockerContainer

@@ -10,8 +10,8 @@ Snapshots are owned like sandboxes: they carry the session labels of the process
 them (:mod:`runtimes.ownership`) plus the ``vf-sandbox.snapshot*`` labels below, ``vf-sandbox
 ls`` lists them and ``vf-sandbox cleanup`` removes those of dead sessions. One taken with
 ``keep=True`` is spared by every sweep but ``cleanup --kept`` / ``--all``; any other is also
-removed at interpreter exit, like a runtime nobody closed. :func:`remove_snapshot` removes
-one explicitly.
+removed at interpreter exit, like a runtime nobody closed.
+:func:`runtimes.cleanup.remove_snapshot` removes one explicitly.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .config import RuntimeConfig
 from .errors import ProvisioningError, SandboxInvalidArgumentError
 
 if TYPE_CHECKING:
-    from .base import Runtime
+    from .forking import Snapshotting
 
 __all__ = [
     "SNAPSHOT",
@@ -38,7 +38,6 @@ __all__ = [
     "SnapshotHolds",
     "SnapshotNotFoundError",
     "SnapshotUnsupportedError",
-    "remove_snapshot",
     "snapshot_from_labels",
     "snapshot_labels",
 ]
@@ -163,46 +162,13 @@ def snapshot_from_labels(
     )
 
 
-# ---------------------------------------------------------------------- removal
-
-
-async def remove_snapshot(
-    snapshot: SandboxSnapshot, config: RuntimeConfig | Mapping[str, Any] | str | None = None
-) -> None:
-    """Delete ``snapshot``; one already gone is fine. Forks already opened from it go on.
-
-    ``config`` tells the backend where the snapshot lives (a Docker ``base_url``, an SSH
-    host and its credentials); by default, the config of the runtime that took it, when this
-    process took it, else the backend's default config (SSH has none: pass it).
-
-    Raises:
-        SnapshotUnsupportedError: the backend cannot take snapshots.
-        SandboxInvalidArgumentError: ``config`` is of another backend, ``snapshot`` is not one
-            of this backend's snapshots, or SSH without a config.
-        SandboxError: the backend refused (Docker: a fork's container still uses the image).
-        SandboxTransportError: the backend could not be reached.
-    """
-    from .registry import load_runtime_class, resolve_runtime_config
-
-    resolved = None if config is None else resolve_runtime_config(config)
-    if resolved is not None and resolved.type != snapshot.backend:
-        raise SandboxInvalidArgumentError(
-            f"{snapshot.describe()} cannot be removed with a {resolved.type!r} config"
-        )
-    cls = load_runtime_class(snapshot.backend)
-    if resolved is None:
-        resolved = _held_config(snapshot)
-    await cls.destroy_snapshot(snapshot, resolved)
-    release(snapshot)
-
-
 # ---------------------------------------------------------------------- the exit backstop
 
-_HELD: dict[tuple[str, str], tuple[type[Runtime], RuntimeConfig, SandboxSnapshot]] = {}
+_HELD: dict[tuple[str, str], tuple[type[Snapshotting], RuntimeConfig, SandboxSnapshot]] = {}
 _HELD_LOCK = threading.Lock()
 
 
-def hold(cls: type[Runtime], config: RuntimeConfig, snapshot: SandboxSnapshot) -> None:
+def hold(cls: type[Snapshotting], config: RuntimeConfig, snapshot: SandboxSnapshot) -> None:
     """Remove ``snapshot`` at interpreter exit unless :func:`release` comes first (snapshots
     taken without ``keep``)."""
     with _HELD_LOCK:
@@ -224,7 +190,8 @@ def held_snapshots() -> list[SandboxSnapshot]:
         return [snapshot for _, _, snapshot in _HELD.values()]
 
 
-def _held_config(snapshot: SandboxSnapshot) -> RuntimeConfig | None:
+def held_config(snapshot: SandboxSnapshot) -> RuntimeConfig | None:
+    """The config of the runtime that took ``snapshot``, while this process holds it."""
     with _HELD_LOCK:
         entry = _HELD.get((snapshot.backend, snapshot.id))
     return None if entry is None else entry[1]
@@ -244,3 +211,13 @@ def _remove_leftovers() -> None:
                 snapshot.describe(),
                 exc_info=True,
             )
+
+
+def __getattr__(name: str) -> Any:
+    """``runtimes.snapshot.remove_snapshot``, the path it had before it moved to
+    :mod:`runtimes.cleanup` (looked up on use: cleanup imports this module)."""
+    if name == "remove_snapshot":
+        from .cleanup import remove_snapshot
+
+        return remove_snapshot
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

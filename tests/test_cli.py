@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CLI = [sys.executable, "-m", "placement.cli"]
+CLI = [sys.executable, "-m", "runtimes.cli"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

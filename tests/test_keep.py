@@ -25,7 +25,8 @@ import pytest
 from runtimes import RuntimeConfigError, SandboxUnavailableError, open_runtime, ownership
 from runtimes.cleanup import cleanup_sandboxes
 from runtimes.docker import DockerRuntime
-from runtimes.keep import find_sandbox, runtime_argument
+from runtimes.keep import runtime_argument
+from runtimes.locate import find_sandbox
 from runtimes.models import SandboxInfo
 from runtimes.reaper import drain_removals
 from runtimes.ssh import SSHRuntime
@@ -215,9 +216,9 @@ def kept_containers() -> Iterator[list[str]]:
     """Ids of containers a test kept: force-removed at the end, whatever happened."""
     import docker
 
-    from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+    from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, require_docker_image
 
-    _require_docker_image(DOCKER_TEST_IMAGE)
+    require_docker_image(DOCKER_TEST_IMAGE)
     ids: list[str] = []
     yield ids
     client = docker.from_env()

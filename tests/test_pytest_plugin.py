@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _missing_image_message
+from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, missing_image_message
 
 pytest_plugins = ["pytester"]
 
@@ -112,7 +112,7 @@ def test_missing_image_says_how_to_get_it(pytester: pytest.Pytester) -> None:
 
 
 def test_missing_base_image_says_how_to_build_it() -> None:
-    message = _missing_image_message(DOCKER_TEST_IMAGE)
+    message = missing_image_message(DOCKER_TEST_IMAGE)
     assert "images/build-base.sh" in message and "docker_runtime_factory(image=" in message
     assert "make" not in message
 
@@ -139,7 +139,7 @@ def test_no_engine_skips_or_fails_with_a_message(pytester: pytest.Pytester) -> N
 
 
 def test_missing_project_image_says_make_images_not_pull() -> None:
-    message = _missing_image_message("vf-sandbox/python:latest")
+    message = missing_image_message("vf-sandbox/python:latest")
     assert "make images" in message and "docker pull" not in message
 
 

@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from runtimes import ownership
-from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, require_docker_image
 from runtimes.reaper import drain_removals_blocking
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -103,7 +103,7 @@ def test_example_runs_on_docker(
 
     code = _example()
     config = _docker_config(code)
-    _require_docker_image(config.get("image", DOCKER_TEST_IMAGE))
+    require_docker_image(config.get("image", DOCKER_TEST_IMAGE))
     namespace: dict[str, Any] = {"__name__": "readme_example"}
     exec(compile(code, f"{README}:example", "exec"), namespace)
     monkeypatch.chdir(_workspace(tmp_path))

@@ -396,11 +396,11 @@ def test_a_group_number_that_now_leads_another_command_is_not_killed() -> None:
     which leads a group of that number: the kill must spare it (the soak saw a fresh command
     die with 137 under load)."""
     from runtimes.subprocess.process import kill_group
-    from runtimes.subprocess.sweep import _start_ticks
+    from runtimes.subprocess.sweep import start_ticks
 
     other = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        theirs = _start_ticks(other.pid)
+        theirs = start_ticks(other.pid)
         kill_group(other.pid, theirs - 1)  # the recorded leader started at another time
         time.sleep(0.2)
         assert other.poll() is None, "the command now holding the number was killed"

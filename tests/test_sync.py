@@ -36,7 +36,7 @@ from runtimes import (
     open_runtime_sync,
 )
 from runtimes.lifecycle import State, live_runtimes
-from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, require_docker_image
 from runtimes.sync import BlockingCallInEventLoopError, SyncHostRoute
 from tests.cli.cli import ctrl_c_as_at_a_terminal
 
@@ -514,7 +514,7 @@ print(rt.sandbox_id, host, port, typed, rt.channel_info.state, flush=True)
 def test_docker_backend_method_and_exit_backstop() -> None:
     import docker
 
-    _require_docker_image(DOCKER_TEST_IMAGE)
+    require_docker_image(DOCKER_TEST_IMAGE)
     done = _run_child(_DOCKER_CHILD, DOCKER_TEST_IMAGE, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

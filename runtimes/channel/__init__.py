@@ -26,14 +26,15 @@ The package: :mod:`.bootstrap` (how the agent starts), :mod:`.agent` (the agent,
 :mod:`~.agent.wire` and :mod:`~.agent.stream` parts the host shares), :mod:`.protocol` (the
 host's bounds, internal failures, the transport interface, the agent's errors as typed
 errors), :mod:`.framing` (the authenticated frame stream), :mod:`.core` (:class:`Channel`:
-the requests), :mod:`.relay` (relayed connections) and :mod:`.supervisor`
-(:class:`ChannelSupervisor`: routing, fallback, restart).
+the requests), :mod:`.relay` (relayed connections), :mod:`.hooks` (what a backend gives the
+supervisor) and :mod:`.supervisor` (:class:`ChannelSupervisor`: routing, fallback, restart).
 """
 
 from __future__ import annotations
 
 from .bootstrap import BOOTSTRAP, PROBE, agent_command, agent_source
 from .core import Channel
+from .hooks import ABSENT, UNKNOWN, ChannelHooks, ChannelInfo, verify_by_reading
 from .protocol import (
     CHUNK,
     FIRST_PROBE,
@@ -57,14 +58,7 @@ from .protocol import (
     SandboxGone,
 )
 from .relay import RelayListener
-from .supervisor import (
-    ABSENT,
-    UNKNOWN,
-    ChannelHooks,
-    ChannelInfo,
-    ChannelSupervisor,
-    verify_by_reading,
-)
+from .supervisor import ChannelSupervisor
 
 __all__ = [
     "ABSENT",

@@ -8,19 +8,25 @@ import contextlib
 import posixpath
 import socket
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ..channel import ChannelTransport, agent_command
-from ..errors import SandboxError
-from .client import _api_message, _blocking, _container_is_gone, _ContainerRef, gone_error
-from .stream import _STREAM_CHUNK, GuardedSocket, _hijack, _Hijacked
+from ..channel.agent.wire import SweepHeader
+from .client import ContainerRef, engine_call
+from .sdk_errors import refused
+from .stream import STREAM_CHUNK, GuardedSocket, Hijacked, hijack, take_frames
+
+if TYPE_CHECKING:
+    from ..channel import ChannelSupervisor
+    from ..channel.core import Channel
 
 
-class _AgentStream(ChannelTransport):
+class AgentStream(ChannelTransport):
     """The channel agent's exec stream (see :mod:`runtimes.channel`), for blocking use by
     the channel's threads: the engine's 8-byte frame headers are stripped, stdout is the
     agent's framed protocol, the tail of stderr is kept for failure messages."""
 
-    def __init__(self, hijacked: _Hijacked) -> None:
+    def __init__(self, hijacked: Hijacked) -> None:
         with contextlib.suppress(OSError, AttributeError):
             hijacked.sock.settimeout(None)  # _buffered_bytes may have left it non-blocking
         # The channel's reader and writer threads use it while close() may come from another.
@@ -34,27 +40,19 @@ class _AgentStream(ChannelTransport):
             out = self._demultiplex()
             if out:
                 return out
-            data: bytes = self._sock.recv(_STREAM_CHUNK)
+            data: bytes = self._sock.recv(STREAM_CHUNK)
             if not data:
                 return b""
             self._raw += data
 
     def _demultiplex(self) -> bytes:
-        raw = self._raw
         out = bytearray()
-        pos = 0
-        while len(raw) - pos >= 8:
-            size = int.from_bytes(raw[pos + 4 : pos + 8], "big")
-            if len(raw) - pos - 8 < size:
-                break
-            payload = raw[pos + 8 : pos + 8 + size]
-            if raw[pos] == 2:
+        for kind, payload in take_frames(self._raw):
+            if kind == 2:
                 self._stderr += payload
                 del self._stderr[:-4096]
             else:
                 out += payload
-            pos += 8 + size
-        del raw[:pos]
         return bytes(out)
 
     def send(self, data: bytes) -> None:
@@ -86,7 +84,7 @@ _LIBRARY_DIRS = (
 )
 
 
-def _untrusted_change(changed: list[str], digests: Mapping[str, bytes]) -> str | None:
+def untrusted_change(changed: list[str], digests: Mapping[str, bytes]) -> str | None:
     """Why the container's changes (sorted paths, the engine's diff) make the channel agent's
     files untrustworthy, or ``None``."""
     for path in changed:
@@ -143,7 +141,7 @@ def _protected_system_path(path: str) -> bool:
     return "/site-packages" not in path and "/dist-packages" not in path
 
 
-async def open_agent_stream(ref: _ContainerRef, interpreter: str | None) -> _AgentStream:
+async def open_agent_stream(ref: ContainerRef, interpreter: str | None) -> AgentStream:
     """Start the channel agent with stdin attached (as the sandbox's default user);
     ``interpreter``: the absolute path pinned at the first start (no shell, no PATH).
 
@@ -151,11 +149,9 @@ async def open_agent_stream(ref: _ContainerRef, interpreter: str | None) -> _Age
         SandboxUnavailableError: the container is gone.
         SandboxError: the engine refused to start the agent.
     """
-    import docker.errors
-
     api = ref.api
 
-    def open_stream() -> _Hijacked:
+    def open_stream() -> Hijacked:
         created = api.exec_create(
             ref.id,
             agent_command(interpreter),
@@ -165,26 +161,44 @@ async def open_agent_stream(ref: _ContainerRef, interpreter: str | None) -> _Age
             user=ref.user,
             workdir="/",
         )
-        return _hijack(api, str(created["Id"]))
+        return hijack(api, str(created["Id"]))
 
-    try:
-        hijacked = await _blocking(open_stream, ref.config)
-    except docker.errors.APIError as exc:
-        if _container_is_gone(exc):
-            raise gone_error(ref, exc) from None
-        raise SandboxError(
-            f"{ref.describe}: the engine refused the channel agent: {_api_message(exc)}"
-        ) from exc
-    return _AgentStream(hijacked)
+    refusal = refused("the engine refused the channel agent", subject=ref.describe)
+    return AgentStream(await engine_call(open_stream, ref.config, refusal=refusal))
 
 
-def _untrusted_python(changed: list[str]) -> str | None:
+def untrusted_python(changed: list[str]) -> str | None:
     """Why a container's changes (the engine's diff) make its ``python3`` untrustworthy for a
     first agent: a system library changed, or any ``python*`` anywhere; else ``None``."""
-    reason = _untrusted_change(changed, {})
+    reason = untrusted_change(changed, {})
     if reason is not None:
         return reason
     for path in changed:
         if posixpath.basename(path).startswith("python"):
             return f"{path} changed in the container (python3 on PATH may not be the image's)"
     return None
+
+
+async def sweep_by_agent(supervisor: ChannelSupervisor | None, header: SweepHeader) -> int | None:
+    """How many processes the channel's agent killed sweeping as ``header`` says; ``None``
+    when no trusted root agent runs (one of another user could not signal the others'
+    processes) or the channel died meanwhile: the sweep script serves then.
+
+    Raises:
+        SandboxError: the agent's sweep failed.
+    """
+    if supervisor is None:
+        return None
+
+    async def by_agent(chan: Channel) -> int | None:
+        hello = chan.hello
+        if hello is None or hello.uid != 0:
+            return None
+        return await chan.sweep(header)
+
+    async def by_script() -> int | None:
+        return None
+
+    # The supervisor's routing of an idempotent call (restart, fallback, distrust);
+    # a public ChannelSupervisor.sweep would wrap exactly this.
+    return await supervisor._file_call(by_agent, by_script, "stop_processes", idempotent=True)

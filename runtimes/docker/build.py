@@ -33,7 +33,8 @@ from .build_context import (
     from_images,
     pack_context,
 )
-from .client import _api_message, _blocking, _engine_name
+from .client import engine_call, engine_name
+from .sdk_errors import Refusal, engine_answers, refused
 
 if TYPE_CHECKING:
     import docker
@@ -82,12 +83,11 @@ def _lock_for(key: str) -> threading.Lock:
 def _image_id(client: docker.DockerClient, image: str) -> str | None:
     import docker.errors
 
-    try:
-        return str(client.images.get(image).id)
-    except docker.errors.ImageNotFound:
-        return None
-    except docker.errors.APIError as exc:
-        raise ProvisioningError(f"cannot inspect image {image!r}: {_api_message(exc)}") from exc
+    with engine_answers(refused(f"cannot inspect image {image!r}", error=ProvisioningError)):
+        try:
+            return str(client.images.get(image).id)
+        except docker.errors.ImageNotFound:
+            return None
 
 
 def _base_ids(
@@ -100,7 +100,7 @@ def _base_ids(
         if found is None:
             raise ProvisioningError(
                 f"the build's FROM image {image!r} ({spec.dockerfile} in {spec.context!r}) is "
-                f"not on {_engine_name(cfg)}, and builds never pull: {how_to_get(image)}"
+                f"not on {engine_name(cfg)}, and builds never pull: {how_to_get(image)}"
             )
         ids[image] = found
     return ids
@@ -126,7 +126,6 @@ def _run_build(
             lines of output).
         _BuildStopped: past the deadline, or the caller went away.
     """
-    import docker.errors
 
     global builds_run
     builds_run += 1
@@ -137,7 +136,10 @@ def _run_build(
     }
     lines: deque[str] = deque(maxlen=KEPT_LINES)
     api: Any = client.api
-    try:
+    refusal = Refusal(
+        lambda message: ProvisioningError(_failed(cfg, message[: LINE_CHARS * 2], lines))
+    )
+    with engine_answers(refusal):
         events = api.build(
             fileobj=packed.archive,
             custom_context=True,
@@ -168,8 +170,6 @@ def _run_build(
         finally:
             with contextlib.suppress(Exception):
                 events.close()
-    except docker.errors.APIError as exc:
-        raise ProvisioningError(_failed(cfg, _api_message(exc)[: LINE_CHARS * 2], lines)) from exc
 
 
 def _failed(cfg: DockerConfig, message: str, lines: deque[str]) -> str:
@@ -185,7 +185,7 @@ def _ensure_built_blocking(
     packed = pack_context(_spec(cfg))
     try:
         tag = build_tag(packed, _spec(cfg), _base_ids(client, cfg, packed))
-        with _lock_for(f"{_engine_name(cfg)} {tag}"):
+        with _lock_for(f"{engine_name(cfg)} {tag}"):
             if _image_id(client, tag) is not None:
                 return tag
             _run_build(client, cfg, packed, tag, deadline, stop)
@@ -212,14 +212,14 @@ async def ensure_built(client: docker.DockerClient, cfg: DockerConfig) -> str:
     deadline = time.monotonic() + spec.timeout
     try:
         with anyio.fail_after(spec.timeout):
-            return await _blocking(
+            return await engine_call(
                 lambda: _ensure_built_blocking(client, cfg, deadline, stop),
                 cfg,
                 abandon_on_cancel=True,
             )
     except (_BuildStopped, TimeoutError):
         raise ProvisioningError(
-            f"building {spec.dockerfile} in {spec.context!r} on {_engine_name(cfg)} did not "
+            f"building {spec.dockerfile} in {spec.context!r} on {engine_name(cfg)} did not "
             f"finish within {spec.timeout:g}s (build.timeout)"
         ) from None
     except SandboxTransportError as exc:

@@ -30,7 +30,7 @@ from typing import IO, Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from .._extract import _check_symlink
+from .._extract import check_symlink
 from ..errors import BuildContextError
 from ..resources import MIB, format_mib, memory_mib
 
@@ -101,9 +101,9 @@ class BuildSpec(BaseModel):
 def is_dockerfile_path(image: str) -> bool:
     """Whether ``image`` names a local Dockerfile rather than an image (Modal's rule: a file
     called ``Dockerfile`` or ``*.Dockerfile``, or an existing file path with a ``/``)."""
-    from ..modal.config import _is_dockerfile
+    from ..modal.config import is_dockerfile
 
-    return _is_dockerfile(image)
+    return is_dockerfile(image)
 
 
 def spec_from_dockerfile(path: str) -> dict[str, str]:
@@ -209,12 +209,12 @@ def _read_file(name: str, parent: int, size: int) -> bytes:
 
 def _link_escape(path: str, target: str) -> str | None:
     """Why a symlink at ``path`` may resolve outside the context, or ``None``: the download
-    extractor's rule (:func:`runtimes._extract._check_symlink`; the walked directories are
+    extractor's rule (:func:`runtimes._extract.check_symlink`; the walked directories are
     real, never links, so only leading ``..`` climb, no higher than the link's directory)."""
     from ..errors import UnsafeArchiveMemberError
 
     try:
-        _check_symlink(path, path.split("/")[:-1], target)
+        check_symlink(path, path.split("/")[:-1], target)
     except UnsafeArchiveMemberError as exc:
         return exc.reason
     return None

@@ -1,6 +1,6 @@
 """Engine access for the ``docker`` runtime: one SDK client per engine, blocking SDK calls in
-worker threads (with retries and transport-failure mapping), and the engine's answers read
-as typed errors.
+worker threads (with retries; their exceptions read by :mod:`.sdk_errors`), and the
+container-level calls every module needs (inspect, diff, kill, remove, list).
 
 Everything goes through the docker SDK (``docker-py``) and the Engine API, never the
 ``docker`` CLI, so a remote engine (``tcp://``, ``ssh://``) works like the local socket.
@@ -21,12 +21,12 @@ import anyio.lowlevel
 from .. import ownership
 from ..errors import (
     SandboxError,
-    SandboxInvalidArgumentError,
     SandboxTransportError,
     SandboxUnavailableError,
 )
 from ..models import SandboxInfo
 from .config import DockerConfig
+from .sdk_errors import Refusal, api_message, engine_answers, gone_error, refused, sdk_errors
 
 if TYPE_CHECKING:
     import docker
@@ -49,7 +49,7 @@ _THREAD_LIMITER: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.R
 )
 
 
-def _thread_limiter() -> anyio.CapacityLimiter:
+def thread_limiter() -> anyio.CapacityLimiter:
     """One limiter per event loop for the blocking SDK calls of every docker runtime."""
     try:
         return _THREAD_LIMITER.get()
@@ -69,11 +69,11 @@ def close_idle_connections() -> None:
         client.close()
 
 
-def _engine_name(config: DockerConfig) -> str:
+def engine_name(config: DockerConfig) -> str:
     return config.base_url or "the default Docker engine"
 
 
-def _client_for(config: DockerConfig) -> docker.DockerClient:
+def client_for(config: DockerConfig) -> docker.DockerClient:
     """A process-wide client per engine (blocking: asks the engine for its API version)."""
     import docker
 
@@ -101,80 +101,35 @@ def _client_for(config: DockerConfig) -> docker.DockerClient:
         return _CLIENTS.setdefault(key, client)
 
 
-def _is_transport_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` says the engine did not answer (as opposed to answering 'no')."""
-    import docker.errors
-    import requests.exceptions
-    import urllib3.exceptions
-
-    if isinstance(exc, SandboxError | docker.errors.APIError):
-        return False
-    if isinstance(
-        exc,
-        requests.exceptions.ConnectionError
-        | requests.exceptions.Timeout
-        | requests.exceptions.ChunkedEncodingError
-        | urllib3.exceptions.HTTPError
-        | OSError,
-    ):
-        return True
-    try:
-        import paramiko
-    except ImportError:  # pragma: no cover - paramiko ships with the docker extra
-        pass
-    else:
-        if isinstance(exc, paramiko.SSHException):
-            return True
-    if isinstance(exc, docker.errors.DockerException):
-        # The SDK wraps a failed version handshake in a bare DockerException; other
-        # DockerExceptions (invalid arguments, TLS settings) are answers, not silence.
-        cause = exc.__cause__ or exc.__context__
-        return cause is not None and _is_transport_failure(cause)
-    return False
-
-
-def _transport_guard(fn: Callable[[], T], engine: str) -> Callable[[], T]:
+def _guard(fn: Callable[[], T], engine: str, refusal: Refusal | None) -> Callable[[], T]:
     def guarded() -> T:
-        try:
+        with sdk_errors(engine, refusal):
             return fn()
-        except SandboxError:
-            raise
-        except UnicodeEncodeError as exc:  # a path with a lone surrogate, in a URL
-            raise _not_engine_text(exc, engine) from None
-        except Exception as exc:
-            if _is_transport_failure(exc):
-                raise SandboxTransportError(f"{engine} did not answer: {exc}") from exc
-            raise
 
     return guarded
 
 
-def _not_engine_text(exc: UnicodeEncodeError, engine: str) -> SandboxInvalidArgumentError:
-    return SandboxInvalidArgumentError(
-        f"{engine} takes only valid UTF-8 text, not {exc.object!r}: pass undecodable bytes "
-        "through stdin or file content (or use the channel, which carries them)"
-    )
-
-
-async def _blocking(
+async def engine_call(
     fn: Callable[[], T],
     config: DockerConfig,
     *,
     idempotent: bool = False,
     abandon_on_cancel: bool = False,
+    refusal: Refusal | None = None,
 ) -> T:
-    """Run a blocking SDK call in a worker thread.
+    """Run a blocking SDK call in a worker thread, its exceptions read by the one table
+    (:func:`.sdk_errors.sdk_errors`; ``refusal`` says what an engine's "no" means here).
 
     A failure to reach the engine becomes :class:`SandboxTransportError`; idempotent
     calls are retried (bounded, exponential backoff) before it surfaces. With
     ``abandon_on_cancel`` a cancelled caller stops waiting for the thread (which then
     ends on the engine's answer or the client's timeout).
     """
-    guarded = _transport_guard(fn, _engine_name(config))
+    guarded = _guard(fn, engine_name(config), refusal)
 
     async def once() -> T:
         return await anyio.to_thread.run_sync(
-            guarded, abandon_on_cancel=abandon_on_cancel, limiter=_thread_limiter()
+            guarded, abandon_on_cancel=abandon_on_cancel, limiter=thread_limiter()
         )
 
     if not idempotent or config.retries == 0:
@@ -199,12 +154,12 @@ def _transport_retries(config: DockerConfig) -> dict[str, Any]:
 
 def retried_in_this_thread(fn: Callable[[], T], config: DockerConfig) -> T:
     """An idempotent blocking SDK call made here (a worker thread of our own), with the
-    same transport guard and bounded retries as :func:`_blocking`.
+    same transport guard and bounded retries as :func:`engine_call`.
 
     Raises:
         SandboxTransportError: the engine did not answer (after retries).
     """
-    guarded = _transport_guard(fn, _engine_name(config))
+    guarded = _guard(fn, engine_name(config), None)
     if config.retries == 0:
         return guarded()
     from tenacity import Retrying
@@ -212,25 +167,7 @@ def retried_in_this_thread(fn: Callable[[], T], config: DockerConfig) -> T:
     return Retrying(**_transport_retries(config))(guarded)
 
 
-def _api_message(exc: docker.errors.APIError) -> str:
-    return str(exc.explanation or exc)
-
-
-def _status(exc: docker.errors.APIError) -> int:
-    return exc.status_code or 0
-
-
-def _container_is_gone(exc: docker.errors.APIError) -> bool:
-    """404 no such container, or 409 not running / paused / restarting."""
-    message = _api_message(exc).lower()
-    if _status(exc) == 404:
-        return "no such container" in message or "no such exec" not in message
-    return _status(exc) == 409 and any(
-        word in message for word in ("not running", "paused", "restarting", "is dead")
-    )
-
-
-def _engine_has_init(client: docker.DockerClient) -> bool:
+def engine_has_init(client: docker.DockerClient) -> bool:
     """Whether the engine can run docker-init (``--init``); asked once per client."""
     key = id(client)
     if key not in _INIT_SUPPORT:
@@ -244,7 +181,7 @@ def _engine_has_init(client: docker.DockerClient) -> bool:
 
 
 @dataclass(frozen=True)
-class _ContainerRef:
+class ContainerRef:
     """One container on its engine: what every call about it needs."""
 
     api: Any
@@ -257,11 +194,7 @@ class _ContainerRef:
     the container's own, root)."""
 
 
-def gone_error(ref: _ContainerRef, exc: docker.errors.APIError) -> SandboxUnavailableError:
-    return SandboxUnavailableError(f"{ref.describe} is gone: {_api_message(exc)}")
-
-
-def check_running_blocking(ref: _ContainerRef) -> None:
+def check_running_blocking(ref: ContainerRef) -> None:
     """Raise SandboxUnavailableError unless the container is running (blocking)."""
     import docker.errors
 
@@ -276,12 +209,12 @@ def check_running_blocking(ref: _ContainerRef) -> None:
         )
 
 
-async def check_running(ref: _ContainerRef) -> None:
+async def check_running(ref: ContainerRef) -> None:
     """Raise SandboxUnavailableError unless the container is running."""
-    await _blocking(lambda: check_running_blocking(ref), ref.config, idempotent=True)
+    await engine_call(lambda: check_running_blocking(ref), ref.config, idempotent=True)
 
 
-async def inspect_container(ref: _ContainerRef) -> dict[str, Any]:
+async def inspect_container(ref: ContainerRef) -> dict[str, Any]:
     """The engine's inspection of the container.
 
     Raises:
@@ -291,20 +224,20 @@ async def inspect_container(ref: _ContainerRef) -> dict[str, Any]:
     import docker.errors
 
     try:
-        info: dict[str, Any] = await _blocking(
+        info: dict[str, Any] = await engine_call(
             lambda: ref.api.inspect_container(ref.id), ref.config, idempotent=True
         )
     except docker.errors.NotFound as exc:
-        raise gone_error(ref, exc) from None
+        raise gone_error(ref.describe, exc) from None
     return info
 
 
-async def is_running(ref: _ContainerRef) -> bool:
+async def is_running(ref: ContainerRef) -> bool:
     """Running and not paused; ``False`` once removed (docker.errors.APIError otherwise)."""
     import docker.errors
 
     try:
-        info = await _blocking(
+        info = await engine_call(
             lambda: ref.api.inspect_container(ref.id), ref.config, idempotent=True
         )
     except docker.errors.NotFound:
@@ -313,34 +246,43 @@ async def is_running(ref: _ContainerRef) -> bool:
     return bool(state.get("Running")) and not state.get("Paused")
 
 
-async def changed_paths(ref: _ContainerRef) -> list[str]:
+async def is_stopped(ref: ContainerRef) -> bool:
+    """The channel's probe during a silence: stopped, paused or removed (an engine that
+    answers with an error says nothing: ``False``)."""
+    import docker.errors
+
+    try:
+        return not await is_running(ref)
+    except docker.errors.APIError as exc:
+        log.debug("%s: inspect failed during a channel probe: %s", ref.describe, exc)
+        return False
+
+
+async def changed_paths(ref: ContainerRef) -> list[str]:
     """What the engine's diff of the container against its image lists, sorted."""
     import docker.errors
 
     try:
-        changes = await _blocking(lambda: ref.api.diff(ref.id), ref.config, idempotent=True)
+        changes = await engine_call(lambda: ref.api.diff(ref.id), ref.config, idempotent=True)
     except docker.errors.NotFound as exc:
-        raise gone_error(ref, exc) from None
+        raise gone_error(ref.describe, exc) from None
     return sorted(str(change.get("Path", "")) for change in changes or [])
 
 
-async def kill_as_root(ref: _ContainerRef, argv: list[str]) -> None:
+async def kill_as_root(ref: ContainerRef, argv: list[str]) -> None:
     """Run a kill as root (not through the wrapper) and wait for it, at most ``KILL_WAIT`` seconds.
 
     Raises:
         SandboxError: the engine refused the kill, or did not confirm it in time.
     """
-    import docker.errors
 
     def kill() -> None:
         created = ref.api.exec_create(ref.id, argv, user="0")
         ref.api.exec_start(str(created["Id"]))
 
-    try:
-        with anyio.move_on_after(KILL_WAIT) as waited:
-            await _blocking(kill, ref.config, abandon_on_cancel=True)
-    except docker.errors.APIError as exc:
-        raise SandboxError(f"the engine refused the kill: {_api_message(exc)}") from exc
+    with anyio.move_on_after(KILL_WAIT) as waited:
+        refusal = refused("the engine refused the kill")
+        await engine_call(kill, ref.config, abandon_on_cancel=True, refusal=refusal)
     if waited.cancelled_caught:
         raise SandboxTransportError(f"the kill was not confirmed within {KILL_WAIT:g}s")
 
@@ -362,13 +304,20 @@ def remove_container_blocking(api: Any, container_id: str, describe: str) -> Non
     """
     import docker.errors
 
-    try:
-        api.remove_container(container_id, force=True, v=True)
-    except docker.errors.NotFound:
-        return
-    except docker.errors.APIError as exc:
-        if "already in progress" not in _api_message(exc):
-            raise SandboxError(f"could not remove {describe}: {_api_message(exc)}") from exc
+    def remove() -> bool:
+        try:
+            api.remove_container(container_id, force=True, v=True)
+        except docker.errors.NotFound:
+            return True
+        except docker.errors.APIError as exc:
+            if "already in progress" in api_message(exc):
+                return False
+            raise
+        return True
+
+    with engine_answers(refused(f"could not remove {describe}")):
+        removed = remove()
+    if not removed:
         _wait_until_removed(api, container_id, describe)
 
 

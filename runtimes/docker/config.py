@@ -374,3 +374,18 @@ class DockerConfig(RuntimeConfig):
     def is_local(self) -> bool:
         """Only ``network="host"`` shares the host's network namespace (and loopback)."""
         return self.network == "host"
+
+
+def as_docker_config(config: RuntimeConfig | None) -> DockerConfig:
+    """``config`` if it is a docker one, else the defaults (the class-level calls that
+    list and remove what the engine holds take any config)."""
+    return config if isinstance(config, DockerConfig) else DockerConfig()
+
+
+def is_root_user(user: str | None) -> bool:
+    """Whether ``user`` (a name or uid, maybe ``user:group``; none: the container's own,
+    root) is root."""
+    if not user:
+        return True
+    name = user.split(":", 1)[0]
+    return name in ("root", "0")

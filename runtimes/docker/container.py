@@ -1,4 +1,5 @@
-"""Making the container of an owned sandbox, or finding the one to attach to.
+"""Making the container of an owned sandbox, finding the one to attach to, and listing or
+removing the labelled containers on an engine (``vf-sandbox ls`` / ``cleanup``).
 
 An owned sandbox is a container from ``image`` with a keep-alive command
 (``scripts/keep_alive.sh``), vf-sandbox labels (:mod:`runtimes.ownership`), no network by
@@ -18,23 +19,108 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import ownership
 from ..errors import ProvisioningError, SandboxTransportError
+from ..models import SandboxInfo
 from ..resources import MIB
 from ..scripts import load
-from .build import how_to_get
-from .client import _api_message, _blocking, _engine_name
-from .config import DEFAULT_CAPABILITIES, DEFAULT_WORKDIR, DockerConfig
+from ..snapshot import UNTRUSTED, SandboxSnapshot
+from .build import ensure_built, how_to_get
+from .client import (
+    client_for,
+    engine_call,
+    engine_has_init,
+    engine_name,
+    list_labelled_blocking,
+    remove_container_blocking,
+)
+from .config import DEFAULT_CAPABILITIES, DEFAULT_WORKDIR, DockerConfig, is_root_user
 from .mounts import VOLUME_LABEL, engine_mounts
 from .ports import port_bindings
+from .process import RunOwn, own_request
 from .pull import pull_image
+from .sdk_errors import Refusal, engine_answers, refused
+from .snapshots import snapshot_image_config
 
 if TYPE_CHECKING:
     import docker
 
 _KEEP_ALIVE = ["sh", "-c", load("keep_alive", "runtimes.docker.scripts")]
+
+
+@dataclass(frozen=True)
+class Creation:
+    """What an owned sandbox's container is created from."""
+
+    config: DockerConfig
+    """The runtime's config, or a copy naming the image built from ``build`` or, for a fork,
+    its snapshot's image (never pulled)."""
+    image_user: str
+    """The image's configured user ("" for root)."""
+    untrusted: str | None = None
+    """Why a fork's image may hold an interpreter that is not the original image's (the
+    snapshot's :data:`~runtimes.snapshot.UNTRUSTED` label), or ``None``."""
+
+
+async def creation_config(
+    client: docker.DockerClient, config: DockerConfig, snapshot: SandboxSnapshot | None
+) -> Creation:
+    """What to create the container from, once the engine showed the image is there
+    (pulled as ``pull`` says, built from ``build``, or the ``snapshot``'s).
+
+    Raises:
+        ProvisioningError: the image is missing (see ``check_image``), or building it
+            from ``build`` failed (see ``ensure_built``).
+        BuildContextError: ``build``'s context is refused.
+        SnapshotNotFoundError: the snapshot's image is gone.
+    """
+    if snapshot is None and config.build is not None:
+        built = await ensure_built(client, config)
+        cfg = config.model_copy(update={"image": built})
+        return Creation(cfg, await check_image(client, cfg))
+    if snapshot is None:
+        return Creation(config, await check_image(client, config))
+    settings = await snapshot_image_config(client, snapshot, config)
+    labels = settings.get("Labels") or {}
+    cfg = config.model_copy(update={"image": snapshot.id, "pull": "never"})
+    return Creation(cfg, str(settings.get("User") or ""), labels.get(UNTRUSTED) or None)
+
+
+async def create_container(
+    client: docker.DockerClient,
+    made: Creation,
+    backend: str,
+    *,
+    fork: bool,
+    record: Callable[[str | None], None],
+) -> tuple[Any, bool]:
+    """Create and start the container; return the SDK's container (not yet confirmed
+    running: see ``confirm_running_blocking``) and whether docker-init is its PID 1.
+    ``record`` is told the container's id as soon as the engine made it.
+
+    Raises:
+        ProvisioningError: the engine refused or did not answer.
+    """
+    cfg = made.config
+    try:
+        init = cfg.init
+        if init is None:
+            init = await engine_call(lambda: engine_has_init(client), cfg, idempotent=True)
+        options = container_options(cfg, backend, init, fork=fork)
+        if not is_root_user(made.image_user):
+            # Under no-new-privileges a root exec gains no capability from a container
+            # started as another user (root could not even chown the workdir): the
+            # keep-alive runs as root, commands as the image's user (``ContainerRef.user``).
+            options["user"] = "0"
+        container = await engine_call(
+            lambda: create_and_start_blocking(client, cfg, options, record), cfg
+        )
+    except SandboxTransportError as exc:
+        raise ProvisioningError(f"cannot create a container from {cfg.image!r}: {exc}") from exc
+    return container, bool(init)
 
 
 async def check_image(client: docker.DockerClient, cfg: DockerConfig) -> str:
@@ -53,12 +139,12 @@ async def check_image(client: docker.DockerClient, cfg: DockerConfig) -> str:
         image = await _find_image(client, cfg)
     if image is None and cfg.pull == "never":
         raise ProvisioningError(
-            f"docker image {cfg.image!r} is not present on {_engine_name(cfg)} "
+            f"docker image {cfg.image!r} is not present on {engine_name(cfg)} "
             f"(pull='never'): {how_to_get(cfg.image)}"
         )
     if image is None:
         raise ProvisioningError(
-            f"docker image {cfg.image!r} is not present on {_engine_name(cfg)} after pulling it"
+            f"docker image {cfg.image!r} is not present on {engine_name(cfg)} after pulling it"
         )
     settings = image.attrs.get("Config") or {}
     return str(settings.get("User") or "")
@@ -72,12 +158,15 @@ async def _find_image(client: docker.DockerClient, cfg: DockerConfig) -> Any | N
     """
     import docker.errors
 
+    def find() -> Any | None:
+        try:
+            return client.images.get(cfg.image)
+        except docker.errors.ImageNotFound:
+            return None
+
+    refusal = refused(f"cannot inspect image {cfg.image!r}", error=ProvisioningError)
     try:
-        return await _blocking(lambda: client.images.get(cfg.image), cfg, idempotent=True)
-    except docker.errors.ImageNotFound:
-        return None
-    except docker.errors.APIError as exc:
-        raise ProvisioningError(f"cannot inspect image {cfg.image!r}: {_api_message(exc)}") from exc
+        return await engine_call(find, cfg, idempotent=True, refusal=refusal)
     except SandboxTransportError as exc:
         raise ProvisioningError(f"cannot inspect image {cfg.image!r}: {exc}") from exc
 
@@ -192,21 +281,23 @@ def create_and_start_blocking(
     """
     import docker.errors
 
-    try:
-        if cfg.runtime is not None:
-            check_oci_runtime(client.api.info(), cfg)
-        container = client.containers.create(cfg.image, **options)
-        record(container.id)
-        container.start()
-    except docker.errors.ImageNotFound:
-        raise ProvisioningError(
-            f"docker image {cfg.image!r} is not present (never pulled): {how_to_get(cfg.image)}"
-        ) from None
-    except docker.errors.APIError as exc:
-        raise ProvisioningError(
-            f"the engine refused to run a container from {cfg.image!r}: {_api_message(exc)}"
-            + _gpu_hint(cfg, _api_message(exc))
-        ) from exc
+    refusal = Refusal(
+        lambda message: ProvisioningError(
+            f"the engine refused to run a container from {cfg.image!r}: {message}"
+            + _gpu_hint(cfg, message)
+        )
+    )
+    with engine_answers(refusal):
+        try:
+            if cfg.runtime is not None:
+                check_oci_runtime(client.api.info(), cfg)
+            container = client.containers.create(cfg.image, **options)
+            record(container.id)
+            container.start()
+        except docker.errors.ImageNotFound:
+            raise ProvisioningError(
+                f"docker image {cfg.image!r} is not present (never pulled): {how_to_get(cfg.image)}"
+            ) from None
     return container
 
 
@@ -221,7 +312,7 @@ def check_oci_runtime(info: dict[str, Any], cfg: DockerConfig) -> None:
         return
     default = info.get("DefaultRuntime")
     raise ProvisioningError(
-        f"{_engine_name(cfg)} offers no OCI runtime {cfg.runtime!r} (runtime=...): it offers "
+        f"{engine_name(cfg)} offers no OCI runtime {cfg.runtime!r} (runtime=...): it offers "
         f"{', '.join(map(repr, offered)) or 'none'}"
         + (f" (default {default!r})" if default else "")
         + "; install it on the engine's host and register it under 'runtimes' in "
@@ -242,14 +333,10 @@ def _gpu_hint(cfg: DockerConfig, message: str) -> str:
 def confirm_running_blocking(container: Any, image: str) -> None:
     """A container whose command exited at once (an ENTRYPOINT that ignores its
     arguments, say) is a ProvisioningError carrying its last log lines."""
-    import docker.errors
-
-    try:
+    with engine_answers(
+        refused(f"the container from {image!r} vanished after start", error=ProvisioningError)
+    ):
         container.reload()
-    except docker.errors.APIError as exc:
-        raise ProvisioningError(
-            f"the container from {image!r} vanished after start: {_api_message(exc)}"
-        ) from exc
     if container.status != "running":
         logs = container.logs(tail=20).decode("utf-8", "replace").strip()
         raise ProvisioningError(
@@ -269,19 +356,75 @@ async def inspect_attached(client: docker.DockerClient, cfg: DockerConfig) -> di
     api = client.api
     name = cfg.container
     assert name is not None
+
+    def inspect() -> dict[str, Any] | None:
+        try:
+            found: dict[str, Any] = api.inspect_container(name)
+        except docker.errors.NotFound:
+            return None
+        return found
+
+    doing = f"cannot inspect docker container {cfg.container!r}"
     try:
-        info: dict[str, Any] = await _blocking(
-            lambda: api.inspect_container(name), cfg, idempotent=True
+        info = await engine_call(
+            inspect, cfg, idempotent=True, refusal=refused(doing, error=ProvisioningError)
         )
-    except docker.errors.NotFound:
-        raise ProvisioningError(f"no docker container {cfg.container!r} to attach to") from None
-    except (docker.errors.APIError, SandboxTransportError) as exc:
-        raise ProvisioningError(
-            f"cannot inspect docker container {cfg.container!r}: {exc}"
-        ) from exc
+    except SandboxTransportError as exc:
+        raise ProvisioningError(f"{doing}: {exc}") from exc
+    if info is None:
+        raise ProvisioningError(f"no docker container {cfg.container!r} to attach to")
     state = info.get("State") or {}
     if not state.get("Running") or state.get("Paused"):
         raise ProvisioningError(
             f"docker container {name!r} is not running ({state.get('Status', '?')})"
         )
     return info
+
+
+async def list_sandboxes(config: DockerConfig, backend: str) -> list[SandboxInfo]:
+    """Every container carrying the ``vf-sandbox.session`` label on the engine.
+
+    Raises:
+        SandboxTransportError: the engine did not answer (after retries).
+    """
+    return await engine_call(
+        lambda: list_labelled_blocking(client_for(config).api, backend), config, idempotent=True
+    )
+
+
+async def destroy_sandbox(info: SandboxInfo, config: DockerConfig) -> None:
+    """Force-remove one container :func:`list_sandboxes` found (gone already is fine).
+
+    Raises:
+        SandboxTransportError: the engine did not answer (after retries).
+        SandboxError: the engine refused to remove it.
+    """
+    await engine_call(
+        lambda: remove_container_blocking(
+            client_for(config).api, info.id, f"docker container {info.id}"
+        ),
+        config,
+        idempotent=True,
+    )
+
+
+_MKDIRS = load("mkdirs", "runtimes.docker.scripts")
+
+
+async def prepare_workdir(
+    run: RunOwn, workdir: str, owner: str, need_dir: bool, where: str
+) -> None:
+    """One root exec (through ``run``) that creates ``workdir`` owned by ``owner`` ("":
+    root) when ``need_dir``, and otherwise only proves that exec works.
+
+    Raises:
+        ProvisioningError: the exec failed.
+    """
+    argv = ["sh", "-c", _MKDIRS, "sh", workdir, owner] if need_dir else ["true"]
+    request, sink = own_request(argv, user="0")
+    code = await run(request, sink)
+    if code != 0:
+        raise ProvisioningError(
+            f"{where}: preparing {workdir!r} failed ({code}): "
+            f"{bytes(sink.stderr).decode('utf-8', 'replace').strip()}"
+        )

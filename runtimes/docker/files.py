@@ -2,7 +2,8 @@
 
 ``get_archive`` / ``put_archive`` / a ``HEAD`` stat serve reads, writes, uploads and
 downloads when the sandbox's default user is root (with a non-root user the runtime goes
-through exec as that user instead, so permissions mean what they mean for its commands).
+through exec as that user instead, :func:`read_by_exec` and :func:`write_by_exec`, so
+permissions mean what they mean for its commands).
 A write uploads a temporary file next to the target, which one exec then renames over it.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._extract import Links, extract_archive
-from .._local_files import write_local_file
+from .._local_files import shell_error, write_local_file
 from ..errors import (
     OutputLimitExceededError,
     SandboxError,
@@ -38,8 +39,10 @@ from ..errors import (
     error_for_errno,
 )
 from ..models import MiB
-from .client import _ContainerRef, check_running_blocking
-from .stream import _STREAM_CHUNK
+from ..scripts import load
+from .client import ContainerRef, check_running_blocking
+from .process import RunOwn, own_request
+from .stream import STREAM_CHUNK
 
 if TYPE_CHECKING:
     import requests
@@ -74,7 +77,7 @@ def _is_symlink(stat: Mapping[str, Any]) -> bool:
     return bool(int(stat.get("mode", 0)) & _MODE_SYMLINK)
 
 
-def _archive_error(status: int, message: str, path: str) -> SandboxError:
+def archive_error(status: int, message: str, path: str) -> SandboxError:
     """Map an archive endpoint's refusal to the typed error for ``path``."""
     lowered = message.lower()
     if "no such container" in lowered or "is not running" in lowered:
@@ -143,21 +146,6 @@ def _dirs_tar(names: Iterable[str]) -> bytes:
     return buf.getvalue()
 
 
-def _tree_tar(source: Path) -> bytes:
-    """The contents of a local directory as a tar owned by root (upload)."""
-
-    def owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
-        info.uid = info.gid = 0
-        info.uname = info.gname = "root"
-        return info
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for entry in sorted(source.iterdir()):
-            tar.add(entry, arcname=entry.name, filter=owned_by_root)
-    return buf.getvalue()
-
-
 def _extract_tree(
     archive: Any, top: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
 ) -> None:
@@ -209,10 +197,10 @@ class _CappedReader:
         return data
 
 
-class _ContainerArchive:
+class ContainerArchive:
     """The archive API on one container. Every method blocks: run it in a worker thread."""
 
-    def __init__(self, ref: _ContainerRef) -> None:
+    def __init__(self, ref: ContainerRef) -> None:
         self._ref = ref
         self._api = ref.api
         self._id = ref.id
@@ -247,7 +235,7 @@ class _ContainerArchive:
         with contextlib.closing(response):
             if response.status_code < 400:
                 return SandboxError(f"the engine could not stat {path!r}")
-            return _archive_error(response.status_code, _response_message(response), path)
+            return archive_error(response.status_code, _response_message(response), path)
 
     def _resolved_stat_blocking(self, path: str) -> tuple[str, dict[str, Any] | None]:
         """Follow a final symlink once (the engine resolves the whole chain)."""
@@ -267,7 +255,7 @@ class _ContainerArchive:
             )
             with contextlib.closing(response):
                 if response.status_code >= 400:
-                    raise _archive_error(response.status_code, _response_message(response), path)
+                    raise archive_error(response.status_code, _response_message(response), path)
                 stat = _decode_stat(response.headers.get("X-Docker-Container-Path-Stat")) or {}
                 if _is_symlink(stat) and stat.get("linkTarget"):
                     target = str(stat["linkTarget"])
@@ -346,7 +334,7 @@ class _ContainerArchive:
             if response.status_code == 404 and "no such container" not in response.text.lower():
                 return False
             if response.status_code >= 400:
-                raise _archive_error(response.status_code, _response_message(response), shown)
+                raise archive_error(response.status_code, _response_message(response), shown)
         return True
 
     def _make_dirs_blocking(self, directory: str, shown: str) -> None:
@@ -407,9 +395,9 @@ class _ContainerArchive:
         response = api.get(self._archive_url(), params={"path": target}, stream=True, headers=_RAW)
         with contextlib.closing(response), tempfile.TemporaryFile() as spool:
             if response.status_code >= 400:
-                raise _archive_error(response.status_code, _response_message(response), remote)
+                raise archive_error(response.status_code, _response_message(response), remote)
             size = 0
-            for chunk in response.iter_content(_STREAM_CHUNK):
+            for chunk in response.iter_content(STREAM_CHUNK):
                 size += len(chunk)
                 if size > limit + _TAR_SLACK:
                     raise OutputLimitExceededError(f"download of {remote!r}", limit, path=remote)
@@ -417,3 +405,60 @@ class _ContainerArchive:
             spool.seek(0)
             top = posixpath.basename(target.rstrip("/")) or "."
             _extract_tree(spool, top, local, skip_unsafe=skip_unsafe, links=links)
+
+
+# ---------------------------------------------------------------------- files as a non-root user
+
+_SCRIPTS = "runtimes.docker.scripts"
+_READ_SCRIPT = load("read", _SCRIPTS)
+_WRITE_SCRIPT = load("write", _SCRIPTS)
+_REPLACE_SCRIPT = load("replace", _SCRIPTS)
+
+
+async def read_by_exec(run: RunOwn, path: str, limit: int) -> bytes:
+    """Read a file through exec, as the sandbox's default user.
+
+    Raises:
+        SandboxIsADirectoryError: ``path`` is a directory.
+        OutputLimitExceededError: the file is larger than ``limit``.
+        SandboxError: the read failed (typed from the shell's message).
+    """
+    request, sink = own_request(["sh", "-c", _READ_SCRIPT, "sh", path, str(limit)], limit=limit + 1)
+    code = await run(request, sink)
+    if code == 21:
+        raise SandboxIsADirectoryError(path)
+    if code == 27 or sink.overflowed:
+        raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
+    if code != 0:
+        raise shell_error(path, sink)
+    return bytes(sink.stdout)
+
+
+async def write_by_exec(run: RunOwn, path: str, data: bytes) -> None:
+    """Write a file through exec, as the sandbox's default user.
+
+    Raises:
+        SandboxIsADirectoryError: ``path`` is a directory.
+        SandboxNotADirectoryError: a parent is not a directory.
+        SandboxError: the write failed (typed from the shell's message).
+    """
+    request, sink = own_request(["sh", "-c", _WRITE_SCRIPT, "sh", path], stdin=data)
+    code = await run(request, sink)
+    if code == 21:
+        raise SandboxIsADirectoryError(path)
+    if code == 20:
+        raise SandboxNotADirectoryError(path, "a parent is not a directory")
+    if code != 0:
+        raise shell_error(path, sink)
+
+
+async def replace_by_exec(run: RunOwn, temp: str, target: str, shown: str) -> None:
+    """Rename an uploaded temporary file over its target (one exec).
+
+    Raises:
+        SandboxError: the rename failed (typed from the shell's message).
+    """
+    request, sink = own_request(["sh", "-c", _REPLACE_SCRIPT, "sh", temp, target])
+    code = await run(request, sink)
+    if code != 0:
+        raise shell_error(shown, sink)

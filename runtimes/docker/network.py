@@ -1,8 +1,18 @@
-"""Host routes from a Docker container: its default gateway, and whether this host owns it."""
+"""Host routes from a Docker container: which ones its network offers, its default gateway,
+and whether this host owns that gateway (so a host service can listen on it)."""
 
 from __future__ import annotations
 
 import socket
+from typing import TYPE_CHECKING
+
+from ..errors import HostRouteError
+from ..machinery import run_machinery
+from ..routes import RouteKind
+
+if TYPE_CHECKING:
+    from ..base import Runtime
+    from .config import DockerConfig
 
 
 def gateway_from_route_table(text: str) -> str | None:
@@ -15,7 +25,7 @@ def gateway_from_route_table(text: str) -> str | None:
     return None
 
 
-def _is_local_address(address: str) -> bool:
+def is_local_address(address: str) -> bool:
     """Whether ``address`` belongs to an interface of this host (it can be bound)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
@@ -23,3 +33,44 @@ def _is_local_address(address: str) -> bool:
         except OSError:
             return False
     return True
+
+
+def host_routes(config: DockerConfig) -> tuple[RouteKind, ...]:
+    """The routes to the host the container's network offers besides the channel."""
+    if config.network == "host":
+        return ("loopback",)  # the host's loopback as it is: no relay hop
+    return () if config.network == "none" else ("gateway",)
+
+
+def route_hint(config: DockerConfig) -> str:
+    """What to change when no route serves."""
+    if config.network == "none":
+        return (
+            "network='none' has only the channel route (python3 in the image, "
+            "channel=True); the gateway route needs network='bridge' or a named network"
+        )
+    return "the channel route needs python3 in the image and channel=True"
+
+
+async def host_gateway(runtime: Runtime) -> str:
+    """The container's IPv4 default gateway (``/proc/net/route``), if it is an address of
+    this host (so a service can listen on it).
+
+    Raises:
+        HostRouteError: no default route, or the gateway is not this host's (a remote
+            engine).
+    """
+    table = await run_machinery(runtime, ["cat", "/proc/net/route"], timeout=30)
+    gateway = gateway_from_route_table(table.stdout) if table.exit_code == 0 else None
+    if gateway is None:
+        raise HostRouteError(
+            f"{runtime.describe()} has no default gateway: no gateway route to the host",
+            via="gateway",
+        )
+    if not is_local_address(gateway):
+        raise HostRouteError(
+            f"{runtime.describe()} routes through {gateway}, which is not an address of this "
+            "host (a remote engine?): use the channel route",
+            via="gateway",
+        )
+    return gateway

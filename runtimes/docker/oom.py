@@ -33,7 +33,7 @@ import anyio
 
 from ..errors import SandboxError
 from ..resources import format_mib
-from .client import _blocking, _ContainerRef
+from .client import ContainerRef, engine_call
 
 __all__ = ["memory_kill_setting", "oom_killed_since"]
 
@@ -48,7 +48,7 @@ _CHECK_BOUND = 5.0
 _FRACTION = re.compile(r"(\.\d{6})\d+")
 
 
-async def memory_kill_setting(ref: _ContainerRef, since: float) -> str | None:
+async def memory_kill_setting(ref: ContainerRef, since: float) -> str | None:
     """For :meth:`~runtimes.primitives.Primitives._memory_kill`: the memory limit's setting
     (``"64MiB"``; ``""`` for an attached container's own limit) if the container's memory
     limit killed a process since ``time.monotonic()`` was ``since``, else ``None``.
@@ -72,7 +72,7 @@ async def memory_kill_setting(ref: _ContainerRef, since: float) -> str | None:
     return "" if memory is None else format_mib(memory)
 
 
-async def oom_killed_since(ref: _ContainerRef, since: float) -> bool:
+async def oom_killed_since(ref: ContainerRef, since: float) -> bool:
     """Whether the engine logged an ``oom`` event for the container since ``time.monotonic()``
     was ``since`` (or within :data:`_LATE_EVENT` seconds from now) that no earlier check of
     this container took.
@@ -107,7 +107,7 @@ async def oom_killed_since(ref: _ContainerRef, since: float) -> bool:
         _consume(ref.id, now)
         return False
 
-    return await _blocking(count, ref.config, idempotent=True, abandon_on_cancel=True)
+    return await engine_call(count, ref.config, idempotent=True, abandon_on_cancel=True)
 
 
 _consumed: dict[str, float] = {}

@@ -10,35 +10,55 @@ session and process-group leader, so the reported group is the command's own pid
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from ..errors import SandboxError, SandboxUnavailableError, argument_list_too_long, no_such_user
+from ..errors import (
+    SandboxError,
+    SandboxTransportError,
+    SandboxUnavailableError,
+    argument_list_too_long,
+    cannot_run_as,
+    no_such_user,
+)
 from ..models import ExecRequest, OutputSink
-from ..wrapper import ReportReader, WrapperReport, argv_size, wrapper_argv
+from ..scripts import load
+from ..sweep import ORPHAN_KILL_SCRIPT
+from ..wrapper import ReportReader, WrapperReport, argv_size, new_nonce, wrapper_argv
 from .client import (
     KILL_WAIT,
-    _api_message,
-    _blocking,
-    _container_is_gone,
-    _ContainerRef,
-    _engine_name,
-    _not_engine_text,
-    gone_error,
+    ContainerRef,
+    check_running,
+    engine_call,
+    engine_name,
+    kill_as_root,
 )
-from .stream import _ExecStream, _hijack, _Hijacked
+from .config import is_root_user
+from .sdk_errors import Refusal, api_message, not_engine_text
+from .stream import (
+    ExecStream,
+    Hijacked,
+    close_exec_stream,
+    hijack,
+    open_exec_stream,
+    pump_frames,
+    start_stdin,
+    take_frames,
+)
+
+log = logging.getLogger("runtimes.docker")
 
 _ENGINE_TEXT_MAX = 2000  # an error message, not the output of a shell that never reported
 
 
 @dataclass
-class _ExecOutput:
-    """Demultiplexes the engine's framed stream and reads the wrapper's report.
-
-    Frames are ``[stream, 0, 0, 0, size (4 bytes, big-endian)] + payload``; stream 1 is
-    stdout, 2 stderr. The wrapper reports on stderr before the command runs; stdout is held
+class ExecOutput:
+    """Demultiplexes the engine's framed stream (:func:`.stream.take_frames`) and reads the
+    wrapper's report. The wrapper reports on stderr before the command runs; stdout is held
     back until the report is in (the engine does not order stdout frames against stderr
     frames), up to the output cap. A stream that ends without a report carries the
     engine's error message.
@@ -72,19 +92,10 @@ class _ExecOutput:
     def feed(self, chunk: bytes) -> bool:
         """Take raw stream bytes; ``False`` once the sink refuses more output."""
         self._frames += chunk
-        view = self._frames
-        offset = 0
         keep_going = True
-        while len(view) - offset >= 8:
-            size = int.from_bytes(view[offset + 4 : offset + 8], "big")
-            if len(view) - offset - 8 < size:
-                break
-            kind = view[offset]
-            payload = bytes(view[offset + 8 : offset + 8 + size])
-            offset += 8 + size
+        for kind, payload in take_frames(self._frames):
             if payload and not self._route(kind, payload):
                 keep_going = False
-        del self._frames[:offset]
         return keep_going
 
     def _route(self, kind: int, payload: bytes) -> bool:
@@ -113,7 +124,7 @@ class _ExecOutput:
         return ok
 
 
-def _engine_exec_error(text: str, request: ExecRequest, where: str) -> SandboxError:
+def engine_exec_error(text: str, request: ExecRequest, where: str) -> SandboxError:
     """The engine refused to start the command; ``text`` is its message."""
     lowered = text.lower()
     if any(gone in lowered for gone in ("is not running", "is paused", "no such container")):
@@ -131,7 +142,7 @@ def _engine_exec_error(text: str, request: ExecRequest, where: str) -> SandboxEr
     )
 
 
-async def start_exec(ref: _ContainerRef, request: ExecRequest, nonce: str) -> _Hijacked:
+async def start_exec(ref: ContainerRef, request: ExecRequest, nonce: str) -> Hijacked:
     """Create the command's exec (through the wrapper, which reports under ``nonce``) and
     start it on a hijacked connection.
 
@@ -140,8 +151,6 @@ async def start_exec(ref: _ContainerRef, request: ExecRequest, nonce: str) -> _H
         SandboxInvalidArgumentError: text the engine cannot carry, or an argv too long.
         SandboxError: the engine refused to start the command.
     """
-    import docker.errors
-
     api = ref.api
     user = request.user if request.user is not None else ref.user
     # The caller's environment travels in the wrapper's arguments, never to the engine.
@@ -150,9 +159,9 @@ async def start_exec(ref: _ContainerRef, request: ExecRequest, nonce: str) -> _H
         try:
             text.encode("utf-8")  # the engine would turn a lone surrogate into U+FFFD
         except UnicodeEncodeError as exc:
-            raise _not_engine_text(exc, _engine_name(ref.config)) from None
+            raise not_engine_text(exc, engine_name(ref.config)) from None
 
-    def create_and_start() -> _Hijacked:
+    def create_and_start() -> Hijacked:
         created = api.exec_create(
             ref.id,
             command,
@@ -163,18 +172,13 @@ async def start_exec(ref: _ContainerRef, request: ExecRequest, nonce: str) -> _H
             environment=None,
             workdir="/",
         )
-        return _hijack(api, str(created["Id"]))
+        return hijack(api, str(created["Id"]))
 
-    try:
-        return await _blocking(create_and_start, ref.config)
-    except docker.errors.APIError as exc:
-        if _container_is_gone(exc):
-            raise gone_error(ref, exc) from None
-        message = _api_message(exc)
-        raise _engine_exec_error(message, request, ref.describe) from exc
+    refusal = Refusal(lambda text: engine_exec_error(text, request, ref.describe), ref.describe)
+    return await engine_call(create_and_start, ref.config, refusal=refusal)
 
 
-async def await_announcement(stream: _ExecStream, output: _ExecOutput) -> None:
+async def await_announcement(stream: ExecStream, output: ExecOutput) -> None:
     """Read on (bounded) until the wrapper reported: it does so at once."""
     with anyio.move_on_after(KILL_WAIT):
         while not output.announced:
@@ -191,7 +195,7 @@ EXIT_WATCH_MAX = 1.0
 """The longest gap between two such questions for a long command."""
 
 
-async def watch_exit(ref: _ContainerRef, exec_id: str, output: _ExecOutput) -> None:
+async def watch_exit(ref: ContainerRef, exec_id: str, output: ExecOutput) -> None:
     """Tell the sink when the command itself exited, while its output is still open
     (background processes inherited the pipes): the engine's exec inspection, asked with a
     growing gap (:data:`EXIT_WATCH_FIRST` to :data:`EXIT_WATCH_MAX`). Cancelled when the
@@ -205,7 +209,7 @@ async def watch_exit(ref: _ContainerRef, exec_id: str, output: _ExecOutput) -> N
         if output.pgid is None:
             continue  # not running yet (or it never will: the stream tells)
         try:
-            info = await _blocking(  # abandoned when the output ends first
+            info = await engine_call(  # abandoned when the output ends first
                 lambda: ref.api.exec_inspect(exec_id), ref.config, abandon_on_cancel=True
             )
         except (docker.errors.APIError, SandboxError):
@@ -216,7 +220,7 @@ async def watch_exit(ref: _ContainerRef, exec_id: str, output: _ExecOutput) -> N
             return
 
 
-async def wait_for_exit(ref: _ContainerRef, exec_id: str) -> dict[str, Any]:
+async def wait_for_exit(ref: ContainerRef, exec_id: str) -> dict[str, Any]:
     """The engine's inspection of an exec once it stopped running.
 
     The output can end before the process does (it closed its stdout and stderr): wait for
@@ -228,7 +232,7 @@ async def wait_for_exit(ref: _ContainerRef, exec_id: str) -> dict[str, Any]:
     from tenacity import AsyncRetrying, retry_if_result, wait_exponential
 
     async def inspect() -> dict[str, Any]:
-        info: dict[str, Any] = await _blocking(
+        info: dict[str, Any] = await engine_call(
             lambda: ref.api.exec_inspect(exec_id), ref.config, idempotent=True
         )
         return info
@@ -240,3 +244,194 @@ async def wait_for_exit(ref: _ContainerRef, exec_id: str) -> dict[str, Any]:
     )
     info: dict[str, Any] = await polling(inspect)
     return info
+
+
+SIGKILLED = 128 + 9
+
+RunOwn = Callable[[ExecRequest, OutputSink], Awaitable[int]]
+"""Runs one of the runtime's own commands (:func:`own_request`) to its exit code."""
+
+
+def own_request(
+    argv: list[str],
+    *,
+    stdin: bytes | None = None,
+    limit: int = 1 << 20,
+    user: str | None = None,
+) -> tuple[ExecRequest, OutputSink]:
+    """A request for the runtime's own commands (cwd ``/``, so a deleted workdir cannot
+    break them), with its sink."""
+    request = ExecRequest(
+        argv=tuple(argv),
+        cwd="/",
+        env={},
+        stdin=stdin,
+        user=user,
+        timeout=None,
+        output_limit=limit,
+    )
+    return request, OutputSink(limit)
+
+
+async def run_exec(
+    ref: ContainerRef,
+    request: ExecRequest,
+    sink: OutputSink,
+    *,
+    kill_group: Callable[[int | None], Awaitable[None]],
+    died: Callable[[], Awaitable[bool]],
+    lost: Callable[[int], None],
+) -> int:
+    """Run one command in the container and return its exit code.
+
+    ``kill_group`` kills the command's process group when the call ends early (cancelled,
+    the output cap); ``died`` says whether a SIGKILL was the container going down; ``lost``
+    is told the group of a command this call lost track of (it may still run).
+
+    Raises:
+        SandboxError: the command could not start, or the engine lost it (typed as
+            :func:`engine_exec_error` and the wrapper's report say).
+        SandboxUnavailableError: the container died meanwhile.
+        SandboxTransportError: the engine did not answer.
+    """
+    with anyio.CancelScope(shield=True):
+        # Once the engine started the command, nothing may lose the handle on it.
+        nonce = new_nonce()
+        hijacked = await start_exec(ref, request, nonce)
+        stream = await open_exec_stream(hijacked)
+    output = ExecOutput(sink, ReportReader(nonce))
+    try:
+        if hijacked.leftover:
+            output.feed(hijacked.leftover)
+        async with anyio.create_task_group() as tg:
+            start_stdin(tg, stream, request.stdin, sink)
+            tg.start_soon(watch_exit, ref, hijacked.exec_id, output)
+            await pump_frames(stream, output)
+            tg.cancel_scope.cancel()
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await await_announcement(stream, output)
+            await close_exec_stream(stream, hijacked)
+            if not sink.detached:  # else the command exited: what is left is the sweep's
+                await kill_group(output.pgid)
+        raise
+    with anyio.CancelScope(shield=True):
+        await close_exec_stream(stream, hijacked)
+    try:
+        return await _exit_code(ref, hijacked.exec_id, output, request, died)
+    except SandboxTransportError:
+        if output.pgid is not None:  # lost track of a command that may still run
+            lost(output.pgid)
+        raise
+
+
+async def _exit_code(
+    ref: ContainerRef,
+    exec_id: str,
+    output: ExecOutput,
+    request: ExecRequest,
+    died: Callable[[], Awaitable[bool]],
+) -> int:
+    import docker.errors
+
+    report = output.report
+    if report is not None and not report.ok:
+        raise report.error(request, where=ref.describe)
+    if report is None:
+        await check_running(ref)
+        raise engine_exec_error(output.engine_text, request, ref.describe)
+    try:
+        info = await wait_for_exit(ref, exec_id)
+    except docker.errors.APIError as exc:
+        await check_running(ref)
+        raise SandboxError(f"{ref.describe}: lost track of a command: {api_message(exc)}") from exc
+    code = info.get("ExitCode")
+    if code is None or code >= 128:
+        await check_running(ref)
+    if code is None:
+        raise SandboxError(f"{ref.describe}: the engine reported no exit code")
+    if code == SIGKILLED and await died():
+        raise SandboxUnavailableError(f"{ref.describe} died while running {request.argv[0]!r}")
+    return int(code)
+
+
+_KILL_GROUP = load("kill_group", "runtimes.docker.scripts")
+
+
+async def kill_group(ref: ContainerRef, pgid: int) -> bool:
+    """Kill a command's process group inside the container and wait for the kill; whether
+    it was delivered (a failure is logged: the caller retries it before the next command).
+
+    Runs after the command's stream was closed: the engine handles one container's exit
+    events in order, and the exit of a command whose output nobody reads waits for its
+    stream, so the kill's own exit could wait behind it.
+    """
+    try:
+        await kill_as_root(ref, ["sh", "-c", _KILL_GROUP, "sh", str(pgid)])
+    except SandboxError as exc:
+        log.warning(
+            "could not kill process group %s in %s (retried before the next command): %s",
+            pgid,
+            ref.describe,
+            exc,
+        )
+        return False
+    return True
+
+
+async def kill_orphan_groups(ref: ContainerRef, mark: str, pgids: frozenset[int]) -> None:
+    """Kill the process groups earlier kills missed, if their leader still carries ``mark``
+    (a restarted container reuses pids).
+
+    Raises:
+        SandboxError: the kill could not be delivered.
+    """
+    await kill_as_root(ref, ["sh", "-c", ORPHAN_KILL_SCRIPT, "sh", mark, *map(str, sorted(pgids))])
+
+
+DEATH_WATCH = 3.0
+"""Seconds to wait for the engine to report a container stop after a failed probe."""
+
+
+async def died_with_container(
+    run: RunOwn, alive: Callable[[], Awaitable[bool]], where: str
+) -> bool:
+    """After a command died of SIGKILL: was that the container going down?
+
+    A killed or stopped container takes its commands with it (SIGKILL), and the engine may
+    still call it running for a moment. A probe exec (through ``run``) settles it: it works
+    in a live container and fails in a dying one; if it fails, the container's state
+    (``alive``) is watched (bounded) for the stop the engine is about to report.
+    """
+    from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_fixed
+
+    request, sink = own_request(["true"], user="0")
+    try:
+        with anyio.fail_after(KILL_WAIT):
+            if await run(request, sink) == 0:
+                return False
+    except SandboxUnavailableError:
+        return True
+    except (SandboxError, TimeoutError) as exc:
+        log.debug("probe after SIGKILL failed in %s: %s", where, exc)
+    watching = AsyncRetrying(
+        retry=retry_if_result(lambda running: running),
+        stop=stop_after_delay(DEATH_WATCH),
+        wait=wait_fixed(0.05),
+        sleep=anyio.sleep,
+        retry_error_callback=lambda state: True,
+    )
+    running: bool = await watching(alive)
+    return not running
+
+
+def check_user_ceiling(request: ExecRequest, default_user: str | None) -> None:
+    """docker exec could become root in any container; a sandbox configured to run as a
+    non-root user keeps that as its ceiling, like any other backend (on both paths: the
+    base checks before the channel, whose agent would only refuse).
+
+    Raises:
+        SandboxPermissionError: ``request.user`` is root and the sandbox's user is not.
+    """
+    if request.user is not None and is_root_user(request.user) and not is_root_user(default_user):
+        raise cannot_run_as(request.argv[0], request.user, f"the sandbox runs as {default_user!r}")

@@ -18,8 +18,9 @@ import anyio
 
 from ..errors import ProvisioningError, SandboxTransportError
 from .build import how_to_get
-from .client import _api_message, _blocking, _engine_name
+from .client import engine_call, engine_name
 from .config import DockerConfig
+from .sdk_errors import Refusal, engine_answers
 
 if TYPE_CHECKING:
     import docker
@@ -66,17 +67,16 @@ def _pull_blocking(
         timeout=cfg.api_timeout,
     )
     try:
-        api._raise_for_status(response)
-        for event in api._stream_helper(response, decode=True):
-            if "error" in event:
-                detail = event.get("errorDetail") or {}
-                raise ProvisioningError(
-                    _pull_failed(cfg, str(detail.get("message") or event["error"]))
-                )
-            if stop.is_set() or time.monotonic() > deadline:
-                raise _PullStopped
-    except docker.errors.APIError as exc:
-        raise ProvisioningError(_pull_failed(cfg, _api_message(exc))) from exc
+        with engine_answers(Refusal(lambda message: ProvisioningError(_pull_failed(cfg, message)))):
+            api._raise_for_status(response)
+            for event in api._stream_helper(response, decode=True):
+                if "error" in event:
+                    detail = event.get("errorDetail") or {}
+                    raise ProvisioningError(
+                        _pull_failed(cfg, str(detail.get("message") or event["error"]))
+                    )
+                if stop.is_set() or time.monotonic() > deadline:
+                    raise _PullStopped
     finally:
         with contextlib.suppress(Exception):
             response.close()
@@ -95,12 +95,12 @@ async def pull_image(client: docker.DockerClient, cfg: DockerConfig) -> None:
         # An abandoned thread closes the connection (ending the engine's pull) once it
         # sees ``stop``: at its next progress event, or when its read times out.
         with anyio.fail_after(cfg.pull_timeout):
-            await _blocking(
+            await engine_call(
                 lambda: _pull_blocking(client, cfg, deadline, stop), cfg, abandon_on_cancel=True
             )
     except (_PullStopped, TimeoutError):
         raise ProvisioningError(
-            f"pulling {cfg.image!r} onto {_engine_name(cfg)} did not finish within "
+            f"pulling {cfg.image!r} onto {engine_name(cfg)} did not finish within "
             f"{cfg.pull_timeout:g}s (pull_timeout)"
         ) from None
     except SandboxTransportError as exc:

@@ -21,7 +21,7 @@ for the user's commands.
 
 from __future__ import annotations
 
-import logging
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,104 +29,75 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._extract import Links
-from .._local_files import shell_error
+from .._local_files import tar_directory
 from ..base import Runtime
 from ..channel import ChannelHooks, ChannelTransport
 from ..channel.agent.wire import SweepHeader
 from ..config import RuntimeConfig
 from ..errors import (
-    HostRouteError,
-    OutputLimitExceededError,
     ProvisioningError,
     SandboxError,
     SandboxInvalidArgumentError,
-    SandboxIsADirectoryError,
-    SandboxNotADirectoryError,
     SandboxTransportError,
     SandboxUnavailableError,
-    cannot_run_as,
 )
 from ..limits import creation_rate
-from ..machinery import run_machinery
 from ..models import ExecRequest, OutputSink, SandboxInfo
-from ..reaper import remove_in_background, wait_for_removals, wait_for_removals_blocking
+from ..reaper import remove_in_background
 from ..routes import HostRoute, RouteKind
-from ..scripts import load
-from ..snapshot import UNTRUSTED, SandboxSnapshot, SnapshotUnsupportedError
-from ..sweep import MARK_VAR, ORPHAN_KILL_SCRIPT, sweep_argv
-from ..wrapper import ReportReader, new_nonce
-from .agent import _untrusted_change, _untrusted_python, judge_untrusted, open_agent_stream
-from .build import ensure_built
+from ..snapshot import SandboxSnapshot
+from ..sweep import MARK_VAR, sweep_argv
+from .agent import (
+    judge_untrusted,
+    open_agent_stream,
+    sweep_by_agent,
+    untrusted_change,
+    untrusted_python,
+)
 from .client import (
-    KILL_WAIT,
-    _api_message,
-    _blocking,
-    _client_for,
-    _ContainerRef,
-    _engine_has_init,
-    _engine_name,
+    ContainerRef,
     changed_paths,
-    check_running,
+    client_for,
+    engine_call,
+    engine_name,
     inspect_container,
     is_running,
-    kill_as_root,
-    list_labelled_blocking,
+    is_stopped,
     remove_container_blocking,
     retried_in_this_thread,
 )
-from .config import DEFAULT_WORKDIR, DockerConfig
+from .config import DEFAULT_WORKDIR, DockerConfig, as_docker_config, is_root_user
 from .container import (
-    check_image,
     confirm_running_blocking,
-    container_options,
-    create_and_start_blocking,
+    create_container,
+    creation_config,
+    destroy_sandbox,
     inspect_attached,
+    list_sandboxes,
+    prepare_workdir,
 )
-from .files import _ContainerArchive, _tree_tar
-from .network import _is_local_address, gateway_from_route_table
+from .files import ContainerArchive, read_by_exec, replace_by_exec, write_by_exec
+from .network import host_gateway, host_routes, route_hint
 from .oom import memory_kill_setting
 from .ports import engine_host, published_address
 from .process import (
-    _engine_exec_error,
-    _ExecOutput,
-    await_announcement,
-    start_exec,
-    wait_for_exit,
-    watch_exit,
+    check_user_ceiling,
+    died_with_container,
+    kill_group,
+    kill_orphan_groups,
+    own_request,
+    run_exec,
 )
 from .snapshots import (
+    check_snapshot_holds_the_workdir,
     commit_snapshot,
-    list_snapshot_images_blocking,
-    remove_snapshot_image_blocking,
-    snapshot_image_config,
+    destroy_snapshot,
+    destroy_snapshot_at_exit,
+    list_snapshots,
 )
-from .stream import _close_exec_stream, _open_exec_stream, _pump, _start_stdin
 
 if TYPE_CHECKING:
     import docker
-    import docker.errors
-
-    from ..channel.core import Channel
-
-log = logging.getLogger("runtimes.docker")
-
-_SCRIPTS = "runtimes.docker.scripts"
-_KILL_GROUP = load("kill_group", _SCRIPTS)
-_READ_SCRIPT = load("read", _SCRIPTS)
-_WRITE_SCRIPT = load("write", _SCRIPTS)
-_REPLACE_SCRIPT = load("replace", _SCRIPTS)
-_MKDIRS_SCRIPT = load("mkdirs", _SCRIPTS)
-
-_SIGKILLED = 128 + 9
-_DEATH_WATCH = 3.0
-"""Seconds to wait for the engine to report a container stop after a failed probe."""
-
-
-def _is_root_user(user: str | None) -> bool:
-    if not user:
-        return True
-    name = user.split(":", 1)[0]
-    return name in ("root", "0")
 
 
 # ---------------------------------------------------------------------- the runtime
@@ -168,7 +139,7 @@ class DockerRuntime(Runtime):
         add accounts to; a non-root default user cannot become another)."""
         if not self._owned or not self.config.policy_user:
             return None
-        return self.config.policy_user if _is_root_user(self._default_user) else None
+        return self.config.policy_user if is_root_user(self._default_user) else None
 
     def _makes_accounts(self) -> bool:
         return not self.config.read_only  # a read-only /etc takes no new account
@@ -207,11 +178,11 @@ class DockerRuntime(Runtime):
 
     async def _start(self) -> str:
         try:
-            self._client = await _blocking(
-                lambda: _client_for(self.config), self.config, idempotent=True
+            self._client = await engine_call(
+                lambda: client_for(self.config), self.config, idempotent=True
             )
         except SandboxTransportError as exc:
-            raise ProvisioningError(f"cannot reach {_engine_name(self.config)}: {exc}") from exc
+            raise ProvisioningError(f"cannot reach {engine_name(self.config)}: {exc}") from exc
         container = None
         if self._owned:
             workdir, container = await self._create_container()
@@ -234,7 +205,7 @@ class DockerRuntime(Runtime):
     async def _confirm_ready(self, container: Any, workdir: str) -> None:
         try:
             if container is not None:
-                await _blocking(
+                await engine_call(
                     lambda: confirm_running_blocking(container, self.config.image), self.config
                 )
             with anyio.fail_after(self.config.start_timeout):
@@ -249,56 +220,21 @@ class DockerRuntime(Runtime):
             raise ProvisioningError(f"{self.describe()} is not usable: {exc}") from exc
 
     async def _create_container(self) -> tuple[str, Any]:
-        """Create and start the container; return the workdir and the SDK's container (not
-        yet confirmed running: see ``confirm_running_blocking``)."""
+        """Create and start the container (see :func:`.container.create_container`); return
+        the workdir and the SDK's container (not yet confirmed running)."""
         client = self._require_client()
-        cfg, image_user = await self._creation_config()
-        try:
-            init = cfg.init
-            if init is None:
-                init = await _blocking(lambda: _engine_has_init(client), cfg, idempotent=True)
-            options = container_options(
-                cfg, self.name, init, fork=self._snapshot_source is not None
-            )
-            if not _is_root_user(image_user):
-                # Under no-new-privileges a root exec gains no capability from a container
-                # started as another user (root could not even chown the workdir): the
-                # keep-alive runs as root, commands as the image's user (``_ContainerRef.user``).
-                options["user"] = "0"
-            self._init_is_pid1 = bool(init)
-            container = await _blocking(
-                lambda: create_and_start_blocking(client, cfg, options, self._record_container),
-                cfg,
-            )
-        except SandboxTransportError as exc:
-            raise ProvisioningError(f"cannot create a container from {cfg.image!r}: {exc}") from exc
-        self._default_user = cfg.user or image_user or None
-        self._files_as_root = _is_root_user(self._default_user)
-        return cfg.workdir or DEFAULT_WORKDIR, container
-
-    async def _creation_config(self) -> tuple[DockerConfig, str]:
-        """The config to create the container with (a fork's names its snapshot's image,
-        never pulled) and the image's configured user ("" for root), once the engine showed
-        the image is there (pulled as ``pull`` says).
-
-        Raises:
-            ProvisioningError: the image is missing (see ``check_image``), or building it
-                from ``build`` failed (see ``ensure_built``).
-            BuildContextError: ``build``'s context is refused.
-            SnapshotNotFoundError: the snapshot's image is gone.
-        """
-        client, snap = self._require_client(), self._snapshot_source
-        if snap is None and self.config.build is not None:
-            built = await ensure_built(client, self.config)
-            cfg = self.config.model_copy(update={"image": built})
-            return cfg, await check_image(client, cfg)
-        if snap is None:
-            return self.config, await check_image(client, self.config)
-        settings = await snapshot_image_config(client, snap, self.config)
-        labels = settings.get("Labels") or {}
-        self._untrusted_image = labels.get(UNTRUSTED) or None
-        cfg = self.config.model_copy(update={"image": snap.id, "pull": "never"})
-        return cfg, str(settings.get("User") or "")
+        made = await creation_config(client, self.config, self._snapshot_source)
+        self._untrusted_image = made.untrusted
+        container, self._init_is_pid1 = await create_container(
+            client,
+            made,
+            self.name,
+            fork=self._snapshot_source is not None,
+            record=self._record_container,
+        )
+        self._default_user = made.config.user or made.image_user or None
+        self._files_as_root = is_root_user(self._default_user)
+        return made.config.workdir or DEFAULT_WORKDIR, container
 
     def _record_container(self, container_id: str | None) -> None:
         self._container_id = container_id
@@ -309,25 +245,16 @@ class DockerRuntime(Runtime):
         self._container_id = str(info["Id"])
         settings = info.get("Config") or {}
         self._default_user = cfg.user or settings.get("User") or None
-        self._files_as_root = _is_root_user(self._default_user)
+        self._files_as_root = is_root_user(self._default_user)
         return cfg.workdir or settings.get("WorkingDir") or "/"
 
     async def _prepare(self, workdir: str) -> None:
-        """Readiness. An owned container running as root is ready once it runs: the
-        engine created the workdir (``working_dir``). Otherwise one exec creates the
-        workdir, owned by the sandbox's default user, which also proves exec works."""
-        owner = "" if _is_root_user(self._default_user) else self._default_user
+        """Readiness (see :func:`.container.prepare_workdir`)."""
+        owner = "" if is_root_user(self._default_user) else self._default_user or ""
         if self._owned and not owner:
-            return
+            return  # ready once it runs: the engine created the workdir (``working_dir``)
         need_dir = self._owned or self.config.workdir is not None
-        argv = ["sh", "-c", _MKDIRS_SCRIPT, "sh", workdir, owner or ""] if need_dir else ["true"]
-        request, sink = self._request(argv, user="0")
-        code = await self._run(request, sink)
-        if code != 0:
-            raise ProvisioningError(
-                f"{self.describe()}: preparing {workdir!r} failed ({code}): "
-                f"{bytes(sink.stderr).decode('utf-8', 'replace').strip()}"
-            )
+        await prepare_workdir(self._run, workdir, owner, need_dir, self.describe())
 
     def _removes_container(self) -> bool:
         """Whether close() removes the container: one this runtime created and does not keep."""
@@ -351,7 +278,7 @@ class DockerRuntime(Runtime):
         if self._halted:
             self._remove_in_background()
         else:
-            await _blocking(self._remove_blocking, self.config, idempotent=True)
+            await engine_call(self._remove_blocking, self.config, idempotent=True)
 
     def _remove_in_background(self) -> None:
         remove_in_background(
@@ -371,50 +298,18 @@ class DockerRuntime(Runtime):
             self._mark_closed()
 
     def _host_routes(self) -> tuple[RouteKind, ...]:
-        if self.config.network == "host":
-            return ("loopback",)  # the host's loopback as it is: no relay hop
-        return () if self.config.network == "none" else ("gateway",)
+        return host_routes(self.config)
 
     def _route_hint(self) -> str:
-        if self.config.network == "none":
-            return (
-                "network='none' has only the channel route (python3 in the image, "
-                "channel=True); the gateway route needs network='bridge' or a named network"
-            )
-        return "the channel route needs python3 in the image and channel=True"
+        return route_hint(self.config)
 
     async def _host_bind_address(self, via: RouteKind) -> str:
-        if via != "gateway":
-            return "127.0.0.1"
-        return await self._host_gateway()
-
-    async def _host_gateway(self) -> str:
-        """The container's IPv4 default gateway (``/proc/net/route``), if it is an address
-        of this host (so a service can listen on it).
-
-        Raises:
-            HostRouteError: no default route, or the gateway is not this host's (a remote
-                engine).
-        """
-        table = await run_machinery(self, ["cat", "/proc/net/route"], timeout=30)
-        gateway = gateway_from_route_table(table.stdout) if table.exit_code == 0 else None
-        if gateway is None:
-            raise HostRouteError(
-                f"{self.describe()} has no default gateway: no gateway route to the host",
-                via="gateway",
-            )
-        if not _is_local_address(gateway):
-            raise HostRouteError(
-                f"{self.describe()} routes through {gateway}, which is not an address of this "
-                "host (a remote engine?): use the channel route",
-                via="gateway",
-            )
-        return gateway
+        return "127.0.0.1" if via != "gateway" else await host_gateway(self)
 
     async def _expose_host(self, port: int, via: RouteKind) -> HostRoute:
         if via == "loopback":
             return HostRoute("loopback", "127.0.0.1", port)
-        return HostRoute("gateway", await self._host_gateway(), port)
+        return HostRoute("gateway", await host_gateway(self), port)
 
     async def host_port(self, port: int, protocol: str = "tcp") -> tuple[str, int]:
         """``(host, port)`` where the engine published container ``port`` (config ``ports``).
@@ -441,8 +336,8 @@ class DockerRuntime(Runtime):
             raise SandboxUnavailableError(f"{self.describe()} has no container")
         return self._container_id
 
-    def _ref(self) -> _ContainerRef:
-        return _ContainerRef(
+    def _ref(self) -> ContainerRef:
+        return ContainerRef(
             self._require_client().api,
             self._require_id(),
             self.config,
@@ -478,74 +373,19 @@ class DockerRuntime(Runtime):
             if killed is not None:
                 return killed
             agent = self._channel_agent_pid()
-            request, sink = self._request(sweep_argv("all", mark, keep=agent), user="0")
+            request, sink = own_request(sweep_argv("all", mark, keep=agent), user="0")
             code = await self._run(request, sink)
         return self._swept(code, sink)
 
     async def _sweep_by_agent(self, header: SweepHeader) -> int | None:
-        """How many processes the channel's agent killed sweeping as ``header`` says;
-        ``None`` when no trusted root agent runs (one of another user could not signal the
-        others' processes) or the channel died meanwhile: the sweep script serves then.
-
-        Raises:
-            SandboxError: the agent's sweep failed.
-        """
-        channel = self._supervisor
-        if channel is None:
-            return None
-
-        async def by_agent(chan: Channel) -> int | None:
-            hello = chan.hello
-            if hello is None or hello.uid != 0:
-                return None
-            return await chan.sweep(header)
-
-        async def by_script() -> int | None:
-            return None
-
-        # The supervisor's routing of an idempotent call (restart, fallback, distrust);
-        # a public ChannelSupervisor.sweep would wrap exactly this.
-        return await channel._file_call(by_agent, by_script, "stop_processes", idempotent=True)
+        """The channel agent's sweep (see :func:`.agent.sweep_by_agent`)."""
+        return await sweep_by_agent(self._supervisor, header)
 
     # ------------------------------------------------------------------ exec
 
-    def _request(
-        self,
-        argv: list[str],
-        *,
-        stdin: bytes | None = None,
-        limit: int = 1 << 20,
-        user: str | None = None,
-    ) -> tuple[ExecRequest, OutputSink]:
-        """A request for the runtime's own commands (cwd ``/``, so a deleted workdir
-        cannot break them)."""
-        request = ExecRequest(
-            argv=tuple(argv),
-            cwd="/",
-            env={},
-            stdin=stdin,
-            user=user,
-            timeout=None,
-            output_limit=limit,
-        )
-        return request, OutputSink(limit)
-
     def _check_request(self, request: ExecRequest) -> None:
-        """docker exec could become root in any container; a sandbox configured to run as a
-        non-root user keeps that as its ceiling, like any other backend (on both paths: the
-        base checks before the channel, whose agent would only refuse).
-
-        Raises:
-            SandboxPermissionError: ``request.user`` is root and the sandbox's user is not.
-        """
-        if (
-            request.user is not None
-            and _is_root_user(request.user)
-            and not _is_root_user(self._default_user)
-        ):
-            raise cannot_run_as(
-                request.argv[0], request.user, f"the sandbox runs as {self._default_user!r}"
-            )
+        """The sandbox's user is the ceiling (see :func:`.process.check_user_ceiling`)."""
+        check_user_ceiling(request, self._default_user)
 
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
         return await self._run(request, sink)
@@ -557,55 +397,19 @@ class DockerRuntime(Runtime):
         """Run a command (the runtime's own ones too, which may use root)."""
         if self._orphans:
             await self._kill_orphans()
-        with anyio.CancelScope(shield=True):
-            # Once the engine started the command, nothing may lose the handle on it.
-            nonce = new_nonce()
-            hijacked = await start_exec(self._ref(), request, nonce)
-            stream = await _open_exec_stream(hijacked)
-        output = _ExecOutput(sink, ReportReader(nonce))
-        try:
-            if hijacked.leftover:
-                output.feed(hijacked.leftover)
-            async with anyio.create_task_group() as tg:
-                _start_stdin(tg, stream, request.stdin, sink)
-                tg.start_soon(watch_exit, self._ref(), hijacked.exec_id, output)
-                await _pump(stream, output)
-                tg.cancel_scope.cancel()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await await_announcement(stream, output)
-                await _close_exec_stream(stream, hijacked)
-                if not sink.detached:  # else the command exited: what is left is the sweep's
-                    await self._kill_group(output.pgid)
-            raise
-        with anyio.CancelScope(shield=True):
-            await _close_exec_stream(stream, hijacked)
-        try:
-            return await self._exit_code(hijacked.exec_id, output, request)
-        except SandboxTransportError:
-            if output.pgid is not None:  # lost track of a command that may still run
-                self._remember_orphan(output.pgid)
-            raise
+        return await run_exec(
+            self._ref(),
+            request,
+            sink,
+            kill_group=self._kill_group,
+            died=self._died_with_container,
+            lost=self._remember_orphan,
+        )
 
     async def _kill_group(self, pid: int | None) -> None:
-        """Kill a command's process group inside the container, and wait for the kill; a
-        kill that could not be delivered is retried before the next command.
-
-        Runs after the command's stream was closed: the engine handles one container's
-        exit events in order, and the exit of a command whose output nobody reads waits
-        for its stream, so the kill's own exit could wait behind it.
-        """
-        if pid is None:
-            return
-        try:
-            await kill_as_root(self._ref(), ["sh", "-c", _KILL_GROUP, "sh", str(pid)])
-        except SandboxError as exc:
-            log.warning(
-                "could not kill process group %s in %s (retried before the next command): %s",
-                pid,
-                self.describe(),
-                exc,
-            )
+        """Kill a command's process group (see :func:`.process.kill_group`); a kill that
+        could not be delivered is retried before the next command."""
+        if pid is not None and not await kill_group(self._ref(), pid):
             self._remember_orphan(pid)
 
     async def _kill_orphan_groups(self, pgids: frozenset[int]) -> None:
@@ -615,37 +419,7 @@ class DockerRuntime(Runtime):
         Raises:
             SandboxError: the kill could not be delivered.
         """
-        mark = f"{MARK_VAR}={self._mark}"
-        await kill_as_root(
-            self._ref(), ["sh", "-c", ORPHAN_KILL_SCRIPT, "sh", mark, *map(str, sorted(pgids))]
-        )
-
-    async def _exit_code(self, exec_id: str, output: _ExecOutput, request: ExecRequest) -> int:
-        import docker.errors
-
-        report = output.report
-        if report is not None and not report.ok:
-            raise report.error(request, where=self.describe())
-        if report is None:
-            await check_running(self._ref())
-            raise _engine_exec_error(output.engine_text, request, self.describe())
-        try:
-            info = await wait_for_exit(self._ref(), exec_id)
-        except docker.errors.APIError as exc:
-            await check_running(self._ref())
-            raise SandboxError(
-                f"{self.describe()}: lost track of a command: {_api_message(exc)}"
-            ) from exc
-        code = info.get("ExitCode")
-        if code is None or code >= 128:
-            await check_running(self._ref())
-        if code is None:
-            raise SandboxError(f"{self.describe()}: the engine reported no exit code")
-        if code == _SIGKILLED and await self._died_with_container():
-            raise SandboxUnavailableError(
-                f"{self.describe()} died while running {request.argv[0]!r}"
-            )
-        return int(code)
+        await kill_orphan_groups(self._ref(), f"{MARK_VAR}={self._mark}", pgids)
 
     async def _open_agent_stream(self, interpreter: str | None = None) -> ChannelTransport:
         return await open_agent_stream(self._ref(), interpreter)
@@ -655,7 +429,7 @@ class DockerRuntime(Runtime):
         its image (no sandbox code runs) shows no change to the files the first agent ran
         from, to the dynamic loader's configuration, or to a shared library. The image is
         trusted; whatever a command changed in those places is not."""
-        return _untrusted_change(await changed_paths(self._ref()), digests)
+        return untrusted_change(await changed_paths(self._ref()), digests)
 
     async def system_tampered(self) -> str | None:
         """The engine's diff against the image: a changed loader preload/configuration or
@@ -669,88 +443,56 @@ class DockerRuntime(Runtime):
         a fork's image is a snapshot, checked when it was taken (:mod:`.snapshots`)."""
         if self._owned:
             return self._untrusted_image
-        return _untrusted_python(await changed_paths(self._ref()))
+        return untrusted_python(await changed_paths(self._ref()))
 
     async def _stopped(self) -> bool:
-        """The channel's probe during a silence: stopped, paused or removed."""
-        import docker.errors
-
-        try:
-            return not await self._alive()
-        except docker.errors.APIError as exc:
-            log.debug("%s: inspect failed during a channel probe: %s", self.describe(), exc)
-            return False
+        return await is_stopped(self._ref())
 
     async def _died_with_container(self) -> bool:
-        """After a command died of SIGKILL: was that the container going down?
-
-        A killed or stopped container takes its commands with it (SIGKILL), and the
-        engine may still call it running for a moment. A probe exec settles it: it works
-        in a live container and fails in a dying one; if it fails, the container's state
-        is watched (bounded) for the stop the engine is about to report.
-        """
-        from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_fixed
-
-        request, sink = self._request(["true"], user="0")
-        try:
-            with anyio.fail_after(KILL_WAIT):
-                if await self._run(request, sink) == 0:
-                    return False
-        except SandboxUnavailableError:
-            return True
-        except (SandboxError, TimeoutError) as exc:
-            log.debug("probe after SIGKILL failed in %s: %s", self.describe(), exc)
-        watching = AsyncRetrying(
-            retry=retry_if_result(lambda running: running),
-            stop=stop_after_delay(_DEATH_WATCH),
-            wait=wait_fixed(0.05),
-            sleep=anyio.sleep,
-            retry_error_callback=lambda state: True,
-        )
-        running: bool = await watching(self._alive)
-        return not running
+        """After a command died of SIGKILL: was that the container going down? (See
+        :func:`.process.died_with_container`.)"""
+        return await died_with_container(self._run, self._alive, self.describe())
 
     # ------------------------------------------------------------------ files
 
-    def _archive(self) -> _ContainerArchive:
-        return _ContainerArchive(self._ref())
+    def _archive(self) -> ContainerArchive:
+        return ContainerArchive(self._ref())
 
     async def _read(self, path: str, limit: int) -> bytes:
         if not self._files_as_root:
-            return await self._read_by_exec(path, limit)
+            return await read_by_exec(self._run, path, limit)
         archive = self._archive()
-        return await _blocking(
+        return await engine_call(
             lambda: archive.read_blocking(path, limit), self.config, idempotent=True
         )
 
     async def _write(self, path: str, data: bytes) -> None:
         if not self._files_as_root:
-            await self._write_by_exec(path, data)
+            await write_by_exec(self._run, path, data)
             return
         archive = self._archive()
-        temp, target = await _blocking(lambda: archive.write_temp_blocking(path, data), self.config)
-        await self._replace(temp, target, path)
-
-    async def _replace(self, temp: str, target: str, shown: str) -> None:
-        """Rename the uploaded temporary file over the target (one exec)."""
-        request, sink = self._request(["sh", "-c", _REPLACE_SCRIPT, "sh", temp, target])
-        code = await self._run(request, sink)
-        if code != 0:
-            raise shell_error(shown, sink)
+        temp, target = await engine_call(
+            lambda: archive.write_temp_blocking(path, data), self.config
+        )
+        await replace_by_exec(self._run, temp, target, path)
 
     async def _exists(self, path: str) -> bool:
         if not self._files_as_root:
             return await super()._exists(path)
         archive = self._archive()
-        return await _blocking(lambda: archive.exists_blocking(path), self.config, idempotent=True)
+        return await engine_call(
+            lambda: archive.exists_blocking(path), self.config, idempotent=True
+        )
 
     async def _upload(self, source: Path, remote: str) -> None:
         if not self._files_as_root or await anyio.Path(source).is_file():
             await super()._upload(source, remote)
             return
-        tree = await anyio.to_thread.run_sync(_tree_tar, source)
+        tree = await anyio.to_thread.run_sync(
+            functools.partial(tar_directory, source, root_owned=True)
+        )
         archive = self._archive()
-        await _blocking(lambda: archive.upload_tree_blocking(tree, remote), self.config)
+        await engine_call(lambda: archive.upload_tree_blocking(tree, remote), self.config)
 
     async def _download(
         self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
@@ -759,36 +501,13 @@ class DockerRuntime(Runtime):
             await super()._download(remote, local, skip_unsafe=skip_unsafe, links=links)
             return
         archive, limit = self._archive(), self.config.read_limit
-        await _blocking(
+        await engine_call(
             lambda: archive.download_blocking(remote, local, limit, skip_unsafe, links),
             self.config,
             idempotent=True,
         )
 
     # ------------------------------------------------------------------ files as a non-root user
-
-    async def _read_by_exec(self, path: str, limit: int) -> bytes:
-        request, sink = self._request(
-            ["sh", "-c", _READ_SCRIPT, "sh", path, str(limit)], limit=limit + 1
-        )
-        code = await self._run(request, sink)
-        if code == 21:
-            raise SandboxIsADirectoryError(path)
-        if code == 27 or sink.overflowed:
-            raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
-        if code != 0:
-            raise shell_error(path, sink)
-        return bytes(sink.stdout)
-
-    async def _write_by_exec(self, path: str, data: bytes) -> None:
-        request, sink = self._request(["sh", "-c", _WRITE_SCRIPT, "sh", path], stdin=data)
-        code = await self._run(request, sink)
-        if code == 21:
-            raise SandboxIsADirectoryError(path)
-        if code == 20:
-            raise SandboxNotADirectoryError(path, "a parent is not a directory")
-        if code != 0:
-            raise shell_error(path, sink)
 
     # ------------------------------------------------------------------ snapshots
 
@@ -814,7 +533,7 @@ class DockerRuntime(Runtime):
             SandboxTransportError: the engine did not answer.
             SandboxError: the engine refused to commit.
         """
-        self._check_snapshot_holds_the_workdir()
+        check_snapshot_holds_the_workdir(self.config, self.describe())
         inherited = self._untrusted_image
         if inherited is None and self._snapshot_source is not None:
             inherited = self._snapshot_source.untrusted
@@ -824,81 +543,33 @@ class DockerRuntime(Runtime):
         async with self._snapshot_lock:
             return await commit_snapshot(self._ref(), labels, inherited, check=check)
 
-    def _check_snapshot_holds_the_workdir(self) -> None:
-        """Refuse a snapshot that would silently lose the workdir and ``/tmp``: with
-        ``disk`` or ``read_only`` they are anonymous volumes, and a commit holds only the
-        container's own layer (a fork would start with both empty).
-
-        Raises:
-            SnapshotUnsupportedError: the config has ``disk`` or ``read_only``.
-        """
-        cfg = self.config
-        why = [
-            name
-            for name, on in (("disk", cfg.disk is not None), ("read_only", cfg.read_only))
-            if on
-        ]
-        if why:
-            raise SnapshotUnsupportedError(
-                f"{self.describe()} cannot be snapshotted: with {' and '.join(why)} its "
-                "workdir and /tmp are volumes, which the engine's commit leaves out (a fork "
-                "would start with both empty); copy what you need with rt.download(), or "
-                "run without disk/read_only to snapshot"
-            )
-
     @classmethod
     async def list_snapshots(cls, config: RuntimeConfig | None = None) -> list[SandboxSnapshot]:
-        """Every image carrying the ``vf-sandbox.snapshot`` label on the engine.
-
-        Raises:
-            SandboxTransportError: the engine did not answer (after retries).
-        """
-        cfg = config if isinstance(config, DockerConfig) else DockerConfig()
-        return await _blocking(
-            lambda: list_snapshot_images_blocking(_client_for(cfg).api), cfg, idempotent=True
-        )
+        """Every image carrying the ``vf-sandbox.snapshot`` label on the engine (see
+        :func:`.snapshots.list_snapshots`)."""
+        return await list_snapshots(as_docker_config(config))
 
     @classmethod
     async def destroy_snapshot(
         cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None = None
     ) -> None:
-        """Remove a snapshot's image (gone already is fine).
-
-        Raises:
-            SandboxInvalidArgumentError: the image is not a vf-sandbox snapshot.
-            SandboxError: a container (a sandbox opened from it) still uses it.
-            SandboxTransportError: the engine did not answer (after retries).
-        """
-        cfg = config if isinstance(config, DockerConfig) else DockerConfig()
-        await wait_for_removals()  # forks closed just before may still hold the image
-        await _blocking(
-            lambda: remove_snapshot_image_blocking(_client_for(cfg).api, snapshot),
-            cfg,
-            idempotent=True,
-        )
+        """Remove a snapshot's image, gone already is fine (see
+        :func:`.snapshots.destroy_snapshot`)."""
+        await destroy_snapshot(snapshot, as_docker_config(config))
 
     @classmethod
     def _destroy_snapshot_at_exit(
         cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None
     ) -> None:
-        cfg = config if isinstance(config, DockerConfig) else DockerConfig()
-        wait_for_removals_blocking()
-        remove_snapshot_image_blocking(_client_for(cfg).api, snapshot)
+        destroy_snapshot_at_exit(snapshot, as_docker_config(config))
 
     # ------------------------------------------------------------------ sweeping
 
     @classmethod
     async def list_sandboxes(cls, config: RuntimeConfig | None = None) -> list[SandboxInfo]:
-        """Every container carrying the ``vf-sandbox.session`` label on the engine.
-
-        Raises:
-            SandboxTransportError: the engine did not answer (after retries).
-        """
-        cfg = config if isinstance(config, DockerConfig) else DockerConfig()
-
-        return await _blocking(
-            lambda: list_labelled_blocking(_client_for(cfg).api, cls.name), cfg, idempotent=True
-        )
+        """Every container carrying the ``vf-sandbox.session`` label on the engine (see
+        :func:`.container.list_sandboxes`)."""
+        return await list_sandboxes(as_docker_config(config), cls.name)
 
     @classmethod
     async def shell_argv(
@@ -913,22 +584,10 @@ class DockerRuntime(Runtime):
         """
         from .shell import docker_shell_argv
 
-        cfg = config if isinstance(config, DockerConfig) else DockerConfig()
-        return await docker_shell_argv(info, cfg, tty=tty)
+        return await docker_shell_argv(info, as_docker_config(config), tty=tty)
 
     @classmethod
     async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:
-        """Force-remove one container found by :meth:`list_sandboxes` (gone already is fine).
-
-        Raises:
-            SandboxTransportError: the engine did not answer (after retries).
-            SandboxError: the engine refused to remove it.
-        """
-        cfg = config if isinstance(config, DockerConfig) else DockerConfig()
-        await _blocking(
-            lambda: remove_container_blocking(
-                _client_for(cfg).api, info.id, f"docker container {info.id}"
-            ),
-            cfg,
-            idempotent=True,
-        )
+        """Force-remove one container :meth:`list_sandboxes` found, gone already is fine
+        (see :func:`.container.destroy_sandbox`)."""
+        await destroy_sandbox(info, as_docker_config(config))

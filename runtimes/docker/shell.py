@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import SandboxError, SandboxFileNotFoundError, SandboxUnavailableError
 from ..machinery import MACHINERY_CWD, MACHINERY_ENV
 from ..models import SandboxInfo
-from .client import _blocking, _client_for
+from .client import client_for, engine_call
 from .config import DockerConfig
 
 
@@ -32,7 +32,7 @@ def _inspect_blocking(cfg: DockerConfig, container_id: str) -> dict[str, Any] | 
     import docker.errors
 
     try:
-        info: dict[str, Any] = _client_for(cfg).api.inspect_container(container_id)
+        info: dict[str, Any] = client_for(cfg).api.inspect_container(container_id)
     except docker.errors.NotFound:
         return None
     return info
@@ -47,7 +47,7 @@ def _has_bash_blocking(cfg: DockerConfig, container_id: str) -> bool:
     import docker.errors
 
     try:
-        api = _client_for(cfg).api
+        api = client_for(cfg).api
         created = api.exec_create(
             container_id,
             ["test", "-x", BASH],
@@ -75,7 +75,7 @@ async def shell_program(cfg: DockerConfig, container_id: str) -> str:
     found = False
     with anyio.move_on_after(PROBE_SECONDS):
         try:
-            found = await _blocking(
+            found = await engine_call(
                 lambda: _has_bash_blocking(cfg, container_id), cfg, abandon_on_cancel=True
             )
         except SandboxError:  # the engine did not answer: the shell's own start will say so
@@ -94,7 +94,7 @@ async def docker_shell_argv(info: SandboxInfo, cfg: DockerConfig, *, tty: bool) 
         SandboxTransportError: the engine did not answer.
     """
     cli = docker_cli()
-    inspected = await _blocking(lambda: _inspect_blocking(cfg, info.id), cfg, idempotent=True)
+    inspected = await engine_call(lambda: _inspect_blocking(cfg, info.id), cfg, idempotent=True)
     if inspected is None:
         raise SandboxUnavailableError(f"docker container {info.id} is gone")
     state = inspected.get("State") or {}

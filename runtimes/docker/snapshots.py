@@ -19,6 +19,7 @@ distrusted from the start and the plain path serves, as for an attached containe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import posixpath
 from collections.abc import Mapping, Sequence
@@ -28,26 +29,25 @@ import anyio
 
 from .. import ownership
 from ..errors import SandboxError, SandboxInvalidArgumentError
+from ..reaper import wait_for_removals, wait_for_removals_blocking
 from ..snapshot import (
     SNAPSHOT,
     UNTRUSTED,
     SandboxSnapshot,
     SnapshotNotFoundError,
+    SnapshotUnsupportedError,
     snapshot_from_labels,
 )
-from .agent import _untrusted_change
+from .agent import untrusted_change
 from .client import (
-    _api_message,
-    _blocking,
-    _client_for,
-    _container_is_gone,
-    _ContainerRef,
-    _status,
+    ContainerRef,
     changed_paths,
-    gone_error,
+    client_for,
+    engine_call,
     inspect_container,
 )
 from .config import DockerConfig
+from .sdk_errors import Refusal, api_message, api_status, engine_answers, refused
 
 if TYPE_CHECKING:
     import docker
@@ -73,7 +73,7 @@ def untrusted_interpreter(changed: Sequence[str], dirs: Sequence[str]) -> str | 
     untrustworthy, or ``None``: a system library, the standard library or the loader's
     configuration (as before a channel restart), a ``python*`` in a ``PATH`` directory, or a
     ``PATH`` directory changed itself (replaced by a link, say)."""
-    reason = _untrusted_change(list(changed), {})
+    reason = untrusted_change(list(changed), {})
     if reason is not None:
         return reason
     searched = set(dirs)
@@ -86,7 +86,7 @@ def untrusted_interpreter(changed: Sequence[str], dirs: Sequence[str]) -> str | 
     return None
 
 
-async def _pause(ref: _ContainerRef) -> bool:
+async def _pause(ref: ContainerRef) -> bool:
     """Pause the container; ``False`` when it was paused already (by someone else).
 
     Raises:
@@ -94,18 +94,20 @@ async def _pause(ref: _ContainerRef) -> bool:
     """
     import docker.errors
 
-    try:
-        await _blocking(lambda: ref.api.pause(ref.id), ref.config)
-    except docker.errors.APIError as exc:
-        if "already paused" in _api_message(exc).lower():
-            return False
-        if _container_is_gone(exc):
-            raise gone_error(ref, exc) from None
-        raise SandboxError(f"{ref.describe}: the engine refused to pause it: {exc}") from exc
-    return True
+    def pause() -> bool:
+        try:
+            ref.api.pause(ref.id)
+        except docker.errors.APIError as exc:
+            if "already paused" in api_message(exc).lower():
+                return False
+            raise
+        return True
+
+    refusal = refused("the engine refused to pause it", subject=ref.describe)
+    return await engine_call(pause, ref.config, refusal=refusal)
 
 
-async def _unpause(ref: _ContainerRef) -> None:
+async def _unpause(ref: ContainerRef) -> None:
     """Unpause the container; unpaused or removed meanwhile is fine.
 
     Raises:
@@ -114,16 +116,21 @@ async def _unpause(ref: _ContainerRef) -> None:
     """
     import docker.errors
 
-    try:
-        await _blocking(lambda: ref.api.unpause(ref.id), ref.config, idempotent=True)
-    except docker.errors.APIError as exc:
-        if _status(exc) == 404 or "not paused" in _api_message(exc).lower():
-            return
-        raise SandboxError(f"{ref.describe}: could not unpause it: {_api_message(exc)}") from exc
+    def unpause() -> None:
+        try:
+            ref.api.unpause(ref.id)
+        except docker.errors.APIError as exc:
+            if api_status(exc) == 404 or "not paused" in api_message(exc).lower():
+                return
+            raise
+
+    # No "gone" reading: removed meanwhile is fine (404), and 409 says "not paused".
+    refusal = refused(f"{ref.describe}: could not unpause it")
+    await engine_call(unpause, ref.config, idempotent=True, refusal=refusal)
 
 
 async def commit_snapshot(
-    ref: _ContainerRef, labels: dict[str, str], inherited: str | None, *, check: bool
+    ref: ContainerRef, labels: dict[str, str], inherited: str | None, *, check: bool
 ) -> SandboxSnapshot:
     """Commit the container to a snapshot image (see the module). ``inherited``: the untrusted
     reason of the snapshot the container was opened from; ``check``: read the engine's diff
@@ -153,7 +160,7 @@ async def commit_snapshot(
     return snapshot
 
 
-async def _commit(ref: _ContainerRef, labels: dict[str, str], *, pause: bool) -> SandboxSnapshot:
+async def _commit(ref: ContainerRef, labels: dict[str, str], *, pause: bool) -> SandboxSnapshot:
     """``docker commit`` with the snapshot's tag and labels (its own timeout: a big change
     takes a while to archive).
 
@@ -161,12 +168,11 @@ async def _commit(ref: _ContainerRef, labels: dict[str, str], *, pause: bool) ->
         SandboxUnavailableError: the container is gone or stopped.
         SandboxError: the engine refused.
     """
-    import docker.errors
 
     patient = ref.config.model_copy(update={"api_timeout": ref.config.snapshot_timeout})
 
     def commit() -> str:
-        done = _client_for(patient).api.commit(
+        done = client_for(patient).api.commit(
             ref.id,
             repository=REPOSITORY,
             tag=labels[SNAPSHOT],
@@ -177,16 +183,12 @@ async def _commit(ref: _ContainerRef, labels: dict[str, str], *, pause: bool) ->
         )
         return str(done["Id"])
 
-    try:
-        image_id = await _blocking(commit, ref.config)
-    except docker.errors.APIError as exc:
-        if _container_is_gone(exc):
-            raise gone_error(ref, exc) from None
-        raise SandboxError(f"{ref.describe}: the engine refused to commit it: {exc}") from exc
+    refusal = refused("the engine refused to commit it", subject=ref.describe)
+    image_id = await engine_call(commit, ref.config, refusal=refusal)
     return snapshot_from_labels("docker", image_id, labels, "filesystem")
 
 
-async def _unpause_quietly(ref: _ContainerRef) -> None:
+async def _unpause_quietly(ref: ContainerRef) -> None:
     """Unpause after a failed commit (whose error propagates): a failure is logged."""
     try:
         await _unpause(ref)
@@ -207,16 +209,22 @@ async def snapshot_image_config(
     import docker.errors
 
     api: Any = client.api
-    try:
-        attrs = await _blocking(lambda: api.inspect_image(snapshot.id), cfg, idempotent=True)
-    except docker.errors.NotFound:
+
+    def inspect() -> dict[str, Any] | None:
+        try:
+            attrs: dict[str, Any] = api.inspect_image(snapshot.id)
+        except docker.errors.NotFound:
+            return None
+        return attrs
+
+    refusal = refused(
+        f"cannot inspect the image of {snapshot.describe()}", error=SnapshotNotFoundError
+    )
+    attrs = await engine_call(inspect, cfg, idempotent=True, refusal=refusal)
+    if attrs is None:
         raise SnapshotNotFoundError(
             f"{snapshot.describe()} is gone: no image {snapshot.id} on the engine"
-        ) from None
-    except docker.errors.APIError as exc:
-        raise SnapshotNotFoundError(
-            f"cannot inspect the image of {snapshot.describe()}: {_api_message(exc)}"
-        ) from exc
+        )
     settings: dict[str, Any] = attrs.get("Config") or {}
     if not (settings.get("Labels") or {}).get(SNAPSHOT):
         raise SnapshotNotFoundError(f"image {snapshot.id} is not a vf-sandbox snapshot")
@@ -249,12 +257,67 @@ def remove_snapshot_image_blocking(api: Any, snapshot: SandboxSnapshot) -> None:
     labels = (attrs.get("Config") or {}).get("Labels") or {}
     if not labels.get(SNAPSHOT):
         raise SandboxInvalidArgumentError(f"image {snapshot.id} is not a vf-sandbox snapshot")
-    try:
-        api.remove_image(snapshot.id)
-    except docker.errors.NotFound:
-        return
-    except docker.errors.APIError as exc:
-        raise SandboxError(
-            f"could not remove {snapshot.describe()}: {_api_message(exc)} (a sandbox opened "
+    in_use = Refusal(
+        lambda message: SandboxError(
+            f"could not remove {snapshot.describe()}: {message} (a sandbox opened "
             "from it still uses it: close it first)"
-        ) from exc
+        )
+    )
+    with engine_answers(in_use), contextlib.suppress(docker.errors.NotFound):
+        api.remove_image(snapshot.id)
+
+
+def check_snapshot_holds_the_workdir(config: DockerConfig, describe: str) -> None:
+    """Refuse a snapshot that would silently lose the workdir and ``/tmp``: with ``disk``
+    or ``read_only`` they are anonymous volumes, and a commit holds only the container's
+    own layer (a fork would start with both empty).
+
+    Raises:
+        SnapshotUnsupportedError: the config has ``disk`` or ``read_only``.
+    """
+    why = [
+        name
+        for name, on in (("disk", config.disk is not None), ("read_only", config.read_only))
+        if on
+    ]
+    if why:
+        raise SnapshotUnsupportedError(
+            f"{describe} cannot be snapshotted: with {' and '.join(why)} its "
+            "workdir and /tmp are volumes, which the engine's commit leaves out (a fork "
+            "would start with both empty); copy what you need with rt.download(), or "
+            "run without disk/read_only to snapshot"
+        )
+
+
+async def list_snapshots(config: DockerConfig) -> list[SandboxSnapshot]:
+    """Every image carrying the ``vf-sandbox.snapshot`` label on the engine.
+
+    Raises:
+        SandboxTransportError: the engine did not answer (after retries).
+    """
+    return await engine_call(
+        lambda: list_snapshot_images_blocking(client_for(config).api), config, idempotent=True
+    )
+
+
+async def destroy_snapshot(snapshot: SandboxSnapshot, config: DockerConfig) -> None:
+    """Remove a snapshot's image (gone already is fine), once the forks closed just
+    before (their removals in the background) no longer hold it.
+
+    Raises:
+        SandboxInvalidArgumentError: the image is not a vf-sandbox snapshot.
+        SandboxError: a container (a sandbox opened from it) still uses it.
+        SandboxTransportError: the engine did not answer (after retries).
+    """
+    await wait_for_removals()
+    await engine_call(
+        lambda: remove_snapshot_image_blocking(client_for(config).api, snapshot),
+        config,
+        idempotent=True,
+    )
+
+
+def destroy_snapshot_at_exit(snapshot: SandboxSnapshot, config: DockerConfig) -> None:
+    """:func:`destroy_snapshot`, blocking (at interpreter exit)."""
+    wait_for_removals_blocking()
+    remove_snapshot_image_blocking(client_for(config).api, snapshot)

@@ -25,20 +25,39 @@ import anyio.lowlevel
 
 from ..models import MiB, OutputSink, StdinSource
 from ..stdin_feed import feed_stdin
-from .client import _thread_limiter
+from .client import thread_limiter
 
 if TYPE_CHECKING:
     import requests
 
-    from .process import _ExecOutput
+    from .process import ExecOutput
 
 log = logging.getLogger("runtimes.docker")
 
-_STREAM_CHUNK = 256 * 1024
+STREAM_CHUNK = 256 * 1024
 _STDIN_CHUNK = 1 * MiB
 
 
-class _ExecStream:
+def take_frames(buffer: bytearray) -> list[tuple[int, bytes]]:
+    """Remove the complete frames of the engine's multiplexed stream from the front of
+    ``buffer`` and return them as ``(stream, payload)``; an incomplete frame stays.
+
+    Frames are ``[stream, 0, 0, 0, size (4 bytes, big-endian)] + payload``; stream 1 is
+    stdout, 2 stderr.
+    """
+    frames = []
+    offset = 0
+    while len(buffer) - offset >= 8:
+        size = int.from_bytes(buffer[offset + 4 : offset + 8], "big")
+        if len(buffer) - offset - 8 < size:
+            break
+        frames.append((buffer[offset], bytes(buffer[offset + 8 : offset + 8 + size])))
+        offset += 8 + size
+    del buffer[:offset]
+    return frames
+
+
+class ExecStream:
     """The hijacked exec connection as an async byte stream (stdin out, frames in)."""
 
     async def receive(self) -> bytes:
@@ -56,7 +75,7 @@ class _ExecStream:
         raise NotImplementedError
 
 
-class _SocketExecStream(_ExecStream):
+class _SocketExecStream(ExecStream):
     """A plain unix or TCP socket, driven by the event loop itself (no threads)."""
 
     def __init__(self, stream: anyio.abc.SocketStream) -> None:
@@ -64,7 +83,7 @@ class _SocketExecStream(_ExecStream):
 
     async def receive(self) -> bytes:
         try:
-            return await self._stream.receive(_STREAM_CHUNK)
+            return await self._stream.receive(STREAM_CHUNK)
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
             return b""
 
@@ -172,7 +191,7 @@ class GuardedSocket:
                 self._on_release()
 
 
-class _ThreadExecStream(_ExecStream):
+class _ThreadExecStream(ExecStream):
     """A TLS socket or a paramiko channel (ssh://): blocking calls in worker threads."""
 
     def __init__(self, sock: Any) -> None:
@@ -183,7 +202,7 @@ class _ThreadExecStream(_ExecStream):
     async def receive(self) -> bytes:
         try:
             data: bytes = await anyio.to_thread.run_sync(
-                self._sock.recv, _STREAM_CHUNK, abandon_on_cancel=True, limiter=_thread_limiter()
+                self._sock.recv, STREAM_CHUNK, abandon_on_cancel=True, limiter=thread_limiter()
             )
         except Exception as exc:  # noqa: BLE001 - any failure of the connection ends the stream
             log.debug("exec stream ended with %r", exc)
@@ -193,7 +212,7 @@ class _ThreadExecStream(_ExecStream):
     async def send(self, data: bytes) -> bool:
         try:
             await anyio.to_thread.run_sync(
-                self._sock.sendall, data, abandon_on_cancel=True, limiter=_thread_limiter()
+                self._sock.sendall, data, abandon_on_cancel=True, limiter=thread_limiter()
             )
         except Exception as exc:  # noqa: BLE001 - the command stopped reading stdin
             log.debug("stdin not sent: %r", exc)
@@ -212,7 +231,7 @@ class _ThreadExecStream(_ExecStream):
 
 
 @dataclass
-class _Hijacked:
+class Hijacked:
     """An exec that was started: its id, the HTTP response holding the connection, the
     raw transport object and any stream bytes the HTTP layer had already buffered."""
 
@@ -222,12 +241,12 @@ class _Hijacked:
     leftover: bytes
 
 
-def _hijack(api: Any, exec_id: str) -> _Hijacked:
+def hijack(api: Any, exec_id: str) -> Hijacked:
     """``exec_start`` on an upgraded connection; returns the raw socket (blocking)."""
     sock = api.exec_start(exec_id, socket=True)
     response = sock._response
     raw = getattr(sock, "_sock", sock) if isinstance(sock, socket.SocketIO) else sock
-    return _Hijacked(exec_id, response, raw, _buffered_bytes(response, raw))
+    return Hijacked(exec_id, response, raw, _buffered_bytes(response, raw))
 
 
 def _buffered_bytes(response: requests.Response, raw: Any) -> bytes:
@@ -249,12 +268,12 @@ def _buffered_bytes(response: requests.Response, raw: Any) -> bytes:
         return b""
     raw.setblocking(False)
     try:
-        return fp.read1(_STREAM_CHUNK) or b""
+        return fp.read1(STREAM_CHUNK) or b""
     except (BlockingIOError, ssl.SSLWantReadError):
         return b""
 
 
-async def _open_exec_stream(hijacked: _Hijacked) -> _ExecStream:
+async def open_exec_stream(hijacked: Hijacked) -> ExecStream:
     raw = hijacked.sock
     if type(raw) is socket.socket and raw.family == socket.AF_UNIX:
         return _SocketExecStream(await anyio.abc.UNIXSocketStream.from_socket(raw))
@@ -263,8 +282,8 @@ async def _open_exec_stream(hijacked: _Hijacked) -> _ExecStream:
     return _ThreadExecStream(raw)
 
 
-def _start_stdin(
-    tg: anyio.abc.TaskGroup, stream: _ExecStream, stdin: StdinSource | None, sink: OutputSink
+def start_stdin(
+    tg: anyio.abc.TaskGroup, stream: ExecStream, stdin: StdinSource | None, sink: OutputSink
 ) -> None:
     """Start feeding the command's stdin (if any) beside the output pump."""
     if isinstance(stdin, bytes):
@@ -274,7 +293,7 @@ def _start_stdin(
         tg.start_soon(_send_stdin_source, stream, stdin, sink)
 
 
-async def _send_stdin(stream: _ExecStream, data: bytes) -> None:
+async def _send_stdin(stream: ExecStream, data: bytes) -> None:
     view = memoryview(data)
     for offset in range(0, len(view), _STDIN_CHUNK):
         if not await stream.send(bytes(view[offset : offset + _STDIN_CHUNK])):
@@ -283,14 +302,14 @@ async def _send_stdin(stream: _ExecStream, data: bytes) -> None:
 
 
 async def _send_stdin_source(
-    stream: _ExecStream, source: AsyncIterable[bytes], sink: OutputSink
+    stream: ExecStream, source: AsyncIterable[bytes], sink: OutputSink
 ) -> None:
     """Send what ``source`` yields as it yields (never read ahead of the connection),
     then half-close; a failing source stops the call through ``sink``."""
     await feed_stdin(source, sink, stream.send, stream.send_eof, size=_STDIN_CHUNK)
 
 
-async def _pump(stream: _ExecStream, output: _ExecOutput) -> None:
+async def pump_frames(stream: ExecStream, output: ExecOutput) -> None:
     """Feed the stream to the output until the engine closes it or the sink is full
     (then the sink has already cancelled the call)."""
     while True:
@@ -301,7 +320,7 @@ async def _pump(stream: _ExecStream, output: _ExecOutput) -> None:
             await anyio.lowlevel.checkpoint()
 
 
-async def _close_exec_stream(stream: _ExecStream, hijacked: _Hijacked) -> None:
+async def close_exec_stream(stream: ExecStream, hijacked: Hijacked) -> None:
     await stream.aclose()
     with contextlib.suppress(Exception):
         hijacked.response.close()

@@ -34,9 +34,10 @@ network blocked by default, every sandbox tagged with the session labels (so
 cap on live sandboxes and on creations per second (:mod:`runtimes.limits`), and bounded
 retries with backoff when Modal answers ``ResourceExhaustedError``.
 
-The package: ``config.py`` (:class:`ModalConfig`), ``client.py`` (calling the SDK, its errors),
-``process.py`` (exec), ``files.py`` (the filesystem API), ``runtime.py`` (:class:`ModalRuntime`:
-creation, lifecycle, sweeping) and ``scripts/`` (the shell programs run in the sandbox).
+The package: ``config.py`` (:class:`ModalConfig`), ``client.py`` (calling the SDK, its
+exception table), ``process.py`` (exec), ``files.py`` (the filesystem API), ``runtime.py``
+(:class:`ModalRuntime`: creation, lifecycle, sweeping) and ``scripts/`` (the shell programs run
+in the sandbox).
 """
 
 from __future__ import annotations

@@ -1,17 +1,21 @@
 """Calling the ``modal`` SDK: from asyncio or trio, its exceptions mapped to typed errors.
 
-:class:`_SdkRuntime` holds the sandbox handle and turns what the SDK raises into this suite's
-errors (:meth:`_SdkRuntime._translate`); the exec and file halves of the runtime build on it.
+Modal's exception table (:func:`modal_table`) says what each SDK exception means; it is
+applied at the boundary of every call: :meth:`SdkRuntime._modal_calls` for a sandbox's calls
+(:class:`SdkRuntime` holds the sandbox handle; the exec and file halves of the runtime build
+on it) and :func:`sweep_calls` for the host-side ones (listing, cleanup, snapshot records).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 import errno
 import functools
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -63,7 +67,7 @@ def run_bounded_at_exit(fn: Callable[[], None], what: str, thread_name: str) -> 
         raise SandboxError(f"{what} failed: {reason}")
 
 
-def _modal() -> Any:
+def modal_sdk() -> Any:
     """The ``modal`` SDK module. Tests replace this function to inject a fake SDK.
 
     Raises:
@@ -86,7 +90,7 @@ def _on_asyncio() -> bool:
     return True
 
 
-async def _call(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+async def sdk_call(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     """Call a (synchronicity-wrapped) SDK function from asyncio or trio."""
     if _on_asyncio():
         return await fn.aio(*args, **kwargs)
@@ -95,7 +99,7 @@ async def _call(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     )
 
 
-async def _collect(gen_fn: Any, /, *args: Any, **kwargs: Any) -> list[Any]:
+async def sdk_collect(gen_fn: Any, /, *args: Any, **kwargs: Any) -> list[Any]:
     """All items of an SDK async generator (``Sandbox.list``)."""
     if _on_asyncio():
         return [item async for item in gen_fn.aio(*args, **kwargs)]
@@ -104,7 +108,7 @@ async def _collect(gen_fn: Any, /, *args: Any, **kwargs: Any) -> list[Any]:
     )
 
 
-async def _pump(stream: Any, feed: Callable[[bytes], bool]) -> None:
+async def pump_output(stream: Any, feed: Callable[[bytes], bool]) -> None:
     """Hand one output stream of a process to ``feed`` (on the event loop's thread) until
     EOF or ``feed`` says the sink is full."""
     if _on_asyncio():
@@ -124,34 +128,109 @@ async def _pump(stream: Any, feed: Callable[[bytes], bool]) -> None:
     await anyio.to_thread.run_sync(blocking, abandon_on_cancel=True)
 
 
-def _exception_module() -> Any:
-    return _modal().exception
+def exception_module() -> Any:
+    return modal_sdk().exception
 
 
-def _is_transport_error(exc: BaseException) -> bool:
-    errors = _exception_module()
-    if isinstance(exc, errors.ServiceError | errors.ConnectionError | errors.InternalError):
-        return True
-    if isinstance(exc, OSError | TimeoutError) and not isinstance(exc, SandboxError):
-        return True
+class Meaning(enum.Enum):
+    """What an exception of the SDK says (the rows of :func:`modal_table`)."""
+
+    TOO_LARGE = "too large"
+    """The filesystem API will not read a file this big: read it through exec."""
+    FILESYSTEM = "filesystem"
+    """An untyped filesystem error: its errno is found with a shell probe on the path."""
+    GONE = "gone"
+    """The sandbox is no longer running."""
+    CONFLICT = "conflict"
+    """"Sandbox already finished", or a real conflict: gone if the sandbox has stopped."""
+    REFUSED = "refused"
+    """Modal refused the credentials or the permission: the sandbox is out of reach."""
+    NOT_FOUND = "not found"
+    """The filesystem API's answer to every control-plane failure ("The Sandbox is
+    unavailable"): gone if the sandbox has stopped, else a failed channel."""
+    TRANSPORT = "transport"
+    """The channel to Modal failed (retried where the call is idempotent)."""
+    INVALID = "invalid"
+    """Modal refused the arguments."""
+
+
+def modal_table() -> tuple[tuple[type[BaseException], Meaning | int], ...]:
+    """Modal's exception table, first match wins: an SDK exception class and what it means
+    (an ``int``: the errno of a typed filesystem error)."""
+    errors = exception_module()
+    transport: list[type[BaseException]] = [
+        errors.ServiceError,
+        errors.ConnectionError,
+        errors.InternalError,
+        OSError,  # TimeoutError too
+    ]
     try:
         from grpclib.exceptions import StreamTerminatedError
     except ImportError:  # pragma: no cover - grpclib comes with modal
-        return False
-    return isinstance(exc, StreamTerminatedError)
+        pass
+    else:
+        transport.append(StreamTerminatedError)
+    return (
+        (errors.SandboxFilesystemNotFoundError, errno.ENOENT),
+        (errors.SandboxFilesystemIsADirectoryError, errno.EISDIR),
+        (errors.SandboxFilesystemNotADirectoryError, errno.ENOTDIR),
+        (errors.SandboxFilesystemPermissionError, errno.EACCES),
+        (errors.SandboxFilesystemPathAlreadyExistsError, errno.EEXIST),
+        (errors.SandboxFilesystemDirectoryNotEmptyError, errno.ENOTEMPTY),
+        (errors.SandboxFilesystemFileTooLargeError, Meaning.TOO_LARGE),
+        (errors.SandboxFilesystemError, Meaning.FILESYSTEM),
+        (errors.ClientClosed, Meaning.GONE),
+        (errors.SandboxTerminatedError, Meaning.GONE),
+        (errors.SandboxTimeoutError, Meaning.GONE),
+        (errors.ConflictError, Meaning.CONFLICT),
+        (errors.AuthError, Meaning.REFUSED),
+        (errors.PermissionDeniedError, Meaning.REFUSED),
+        (errors.NotFoundError, Meaning.NOT_FOUND),
+        *((cls, Meaning.TRANSPORT) for cls in transport),
+        (errors.InvalidError, Meaning.INVALID),
+    )
 
 
-def _sweep_error(exc: Exception, what: str) -> SandboxError:
-    if _is_transport_error(exc):
-        return SandboxTransportError(f"modal: cannot {what}: {type(exc).__name__}: {exc}")
-    return SandboxError(f"modal: cannot {what}: {type(exc).__name__}: {exc}")
+def meaning(exc: BaseException) -> Meaning | int | None:
+    """What ``exc`` means by :func:`modal_table` (``None``: not the SDK's, or one of this
+    suite's errors already)."""
+    if isinstance(exc, SandboxError):
+        return None
+    for raised, said in modal_table():
+        if isinstance(exc, raised):
+            return said
+    return None
 
 
-class _TooLargeForFilesystemApi(SandboxError):
+def stopped_errors() -> tuple[type[BaseException], ...]:
+    """What a ``poll`` or ``terminate`` of a sandbox that has stopped raises: Modal no longer
+    knows it, the client closed, or "Sandbox already finished"."""
+    errors = exception_module()
+    return (errors.NotFoundError, errors.ClientClosed, errors.ConflictError)
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the channel to Modal failed."""
+    return meaning(exc) is Meaning.TRANSPORT
+
+
+@contextlib.contextmanager
+def sweep_calls(what: str) -> Iterator[None]:
+    """The boundary of a host-side SDK call (listing, cleanup, snapshot records): what it
+    raises is ``SandboxTransportError`` when the channel to Modal failed, else
+    ``SandboxError``, both saying ``modal: cannot <what>``."""
+    try:
+        yield
+    except Exception as exc:
+        kind = SandboxTransportError if is_transport_error(exc) else SandboxError
+        raise kind(f"modal: cannot {what}: {type(exc).__name__}: {exc}") from exc
+
+
+class TooLargeForFilesystemApi(SandboxError):
     """The filesystem API refused a read as too large: read it through exec instead."""
 
 
-class _SdkRuntime(Runtime):
+class SdkRuntime(Runtime):
     """The part of :class:`~runtimes.modal.ModalRuntime` that holds the sandbox handle and
     calls the SDK: retries of idempotent calls and the mapping of its exceptions."""
 
@@ -178,58 +257,47 @@ class _SdkRuntime(Runtime):
         sandbox = self._sandbox
         if sandbox is None:
             return True
-        errors = _exception_module()
         try:
-            return await _call(sandbox.poll) is not None
-        except (errors.NotFoundError, errors.ClientClosed, errors.ConflictError):
+            return await sdk_call(sandbox.poll) is not None
+        except stopped_errors():
             return True
         except Exception as exc:  # noqa: BLE001 - a probe: the caller reports the original error
             log.debug("modal: poll of %s failed: %r", self._sandbox_id, exc)
             return False
 
     async def _translate(self, exc: Exception, operation: str, path: str | None) -> SandboxError:
-        """The typed error for an exception the SDK raised during ``operation``."""
+        """The typed error for an exception the SDK raised during ``operation``, by
+        :func:`modal_table`."""
         if isinstance(exc, SandboxError):
             return exc
-        errors = _exception_module()
-        subject = path or operation
-        typed_fs: list[tuple[type[BaseException], int]] = [
-            (errors.SandboxFilesystemNotFoundError, errno.ENOENT),
-            (errors.SandboxFilesystemIsADirectoryError, errno.EISDIR),
-            (errors.SandboxFilesystemNotADirectoryError, errno.ENOTDIR),
-            (errors.SandboxFilesystemPermissionError, errno.EACCES),
-            (errors.SandboxFilesystemPathAlreadyExistsError, errno.EEXIST),
-            (errors.SandboxFilesystemDirectoryNotEmptyError, errno.ENOTEMPTY),
-        ]
-        for cls, num in typed_fs:
-            if isinstance(exc, cls):
-                return error_for_errno(num, subject, str(exc) or None)
-        if isinstance(exc, errors.SandboxFilesystemFileTooLargeError):
-            return _TooLargeForFilesystemApi(str(exc))
-        if isinstance(exc, errors.SandboxFilesystemError):
+        said = meaning(exc)
+        if isinstance(said, int):
+            return error_for_errno(said, path or operation, str(exc) or None)
+        gone = SandboxUnavailableError(f"{self.describe()} is no longer running: {exc}")
+        if said is Meaning.TOO_LARGE:
+            return TooLargeForFilesystemApi(str(exc))
+        if said is Meaning.FILESYSTEM:
             return await self._diagnosed(exc, operation, path)
-        dead = (errors.ClientClosed, errors.SandboxTerminatedError, errors.SandboxTimeoutError)
-        if isinstance(exc, dead):
-            return SandboxUnavailableError(f"{self.describe()} is no longer running: {exc}")
-        if isinstance(exc, errors.ConflictError):  # "Sandbox already finished", or a real conflict
+        if said is Meaning.GONE:
+            return gone
+        if said is Meaning.CONFLICT:
             if await self._finished():
-                return SandboxUnavailableError(f"{self.describe()} is no longer running: {exc}")
+                return gone
             return SandboxError(f"{self.describe()}: Modal refused {operation}: {exc}")
-        if isinstance(exc, errors.AuthError | errors.PermissionDeniedError):
+        if said is Meaning.REFUSED:
             return SandboxUnavailableError(
                 f"{self.describe()}: Modal refused {operation}: {type(exc).__name__}: {exc}"
             )
-        # The filesystem API reports every control-plane failure as NotFoundError("The
-        # Sandbox is unavailable"), so NotFoundError alone cannot tell a dead sandbox from
-        # a dropped connection: ask Modal whether it still runs.
-        if isinstance(exc, errors.NotFoundError) or _is_transport_error(exc):
+        # NotFoundError alone cannot tell a dead sandbox from a dropped connection: ask
+        # Modal whether it still runs.
+        if said is Meaning.NOT_FOUND or said is Meaning.TRANSPORT:
             if await self._finished():
-                return SandboxUnavailableError(f"{self.describe()} is no longer running: {exc}")
+                return gone
             return SandboxTransportError(
                 f"{self.describe()}: {operation} failed on the channel to Modal: "
                 f"{type(exc).__name__}: {exc}"
             )
-        if isinstance(exc, errors.InvalidError):
+        if said is Meaning.INVALID:
             return SandboxInvalidArgumentError(f"Modal refused {operation}: {exc}")
         return SandboxError(f"{self.describe()}: {operation} failed: {type(exc).__name__}: {exc}")
 
@@ -246,11 +314,12 @@ class _SdkRuntime(Runtime):
             return SandboxError(f"{self.describe()}: {operation} of {path!r} failed: {exc}")
         return error_for_errno(num, path, str(exc) or None)
 
-    async def _sdk(
-        self, operation: str, path: str | None, call: Callable[[], Awaitable[Any]]
-    ) -> Any:
+    @contextlib.asynccontextmanager
+    async def _modal_calls(self, operation: str, path: str | None) -> AsyncIterator[None]:
+        """The boundary of this sandbox's SDK calls: what they raise is read with Modal's
+        exception table (:meth:`_translate`)."""
         try:
-            return await call()
+            yield
         except Exception as exc:
             raise await self._translate(exc, operation, path) from exc
 
@@ -258,10 +327,7 @@ class _SdkRuntime(Runtime):
         """One idempotent ``Sandbox.filesystem`` call, retried when the channel fails."""
         async for attempt in self._transport_retrying():
             with attempt:
-
-                async def call() -> Any:
+                async with self._modal_calls(method, path):
                     filesystem = self._live_sandbox().filesystem
-                    return await _call(getattr(filesystem, method), *args, **kwargs)
-
-                return await self._sdk(method, path, call)
+                    return await sdk_call(getattr(filesystem, method), *args, **kwargs)
         raise AssertionError("unreachable: tenacity reraises")

@@ -15,7 +15,7 @@ from ..policy import DEFAULT_POLICY_USER, validate_policy_user
 __all__ = ["ModalConfig"]
 
 
-def _is_dockerfile(image: str) -> bool:
+def is_dockerfile(image: str) -> bool:
     name = Path(image).name
     return (
         name == "Dockerfile"

@@ -17,12 +17,12 @@ from ..errors import (
     SandboxIsADirectoryError,
     SandboxNotADirectoryError,
 )
-from .client import _SdkRuntime, _TooLargeForFilesystemApi
+from .client import SdkRuntime, TooLargeForFilesystemApi
 
 log = logging.getLogger("runtimes.modal")
 
 
-class _ModalFiles(_SdkRuntime):
+class ModalFiles(SdkRuntime):
     """The part of :class:`~runtimes.modal.ModalRuntime` that reads and writes files."""
 
     async def _read(self, path: str, limit: int) -> bytes:
@@ -40,7 +40,7 @@ class _ModalFiles(_SdkRuntime):
                 raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
             try:
                 data: bytes = await self._files("read_bytes", path, path)
-            except _TooLargeForFilesystemApi:
+            except TooLargeForFilesystemApi:
                 return await self._read_streamed(path, limit)
             if len(data) == info.size or attempt:
                 break

@@ -18,7 +18,7 @@ from ..models import ExecRequest, MiB, OutputSink
 from ..scripts import load
 from ..stdin_feed import feed_stdin
 from ..wrapper import CONTROL_DIR, ReportReader, argv_size, new_nonce, spool_argv, wrapper_argv
-from .client import KILL_TIMEOUT, _call, _pump, _SdkRuntime
+from .client import KILL_TIMEOUT, SdkRuntime, pump_output, sdk_call
 
 log = logging.getLogger("runtimes.modal")
 
@@ -75,7 +75,7 @@ class _AgentProcess(ChannelTransport):
             log.debug("modal: closing the channel agent's stdin failed: %r", exc)
 
 
-class _ModalExec(_SdkRuntime):
+class ModalExec(SdkRuntime):
     """The part of :class:`~runtimes.modal.ModalRuntime` that runs commands."""
 
     async def _open_agent(self, interpreter: str | None = None) -> ChannelTransport:
@@ -83,9 +83,8 @@ class _ModalExec(_SdkRuntime):
         ``interpreter``: the absolute path pinned at the first start (no shell, no PATH)."""
         sandbox = self._live_sandbox()
         argv = agent_command(interpreter)
-        process = await self._sdk(
-            "exec", "the channel agent", lambda: _call(sandbox.exec, *argv, text=False)
-        )
+        async with self._modal_calls("exec", "the channel agent"):
+            process = await sdk_call(sandbox.exec, *argv, text=False)
         return _AgentProcess(process)
 
     async def _kill_group_plainly(self, pgid: int) -> None:
@@ -105,9 +104,8 @@ class _ModalExec(_SdkRuntime):
         sandbox = self._live_sandbox()
         nonce = new_nonce()
         argv, spooled = await self._command_line(request, nonce)
-        process = await self._sdk(
-            "exec", request.argv[0], lambda: self._start_process(sandbox, argv, request)
-        )
+        async with self._modal_calls("exec", request.argv[0]):
+            process = await self._start_process(sandbox, argv, request)
         reader = ReportReader(nonce)
         code = await self._run(sandbox, nonce, process, request, sink, reader)
         if reader.report is None:
@@ -139,7 +137,7 @@ class _ModalExec(_SdkRuntime):
     async def _start_process(self, sandbox: Any, argv: list[str], request: ExecRequest) -> Any:
         """The caller's env travels in the wrapper's arguments, not in the SDK's ``env``."""
         timeout = None if request.timeout is None else max(1, math.ceil(request.timeout))
-        return await _call(sandbox.exec, *argv, timeout=timeout, text=False)
+        return await sdk_call(sandbox.exec, *argv, timeout=timeout, text=False)
 
     async def _run(
         self,
@@ -184,15 +182,15 @@ class _ModalExec(_SdkRuntime):
                 nonlocal drained
                 with drain_scope:
                     async with anyio.create_task_group() as pumps:
-                        pumps.start_soon(record, lambda: _pump(process.stdout, feed_stdout))
-                        pumps.start_soon(record, lambda: _pump(process.stderr, feed_stderr))
+                        pumps.start_soon(record, lambda: pump_output(process.stdout, feed_stdout))
+                        pumps.start_soon(record, lambda: pump_output(process.stderr, feed_stderr))
                 drained = True
                 watch_scope.cancel()  # ends wait()'s watch after the exit, if it is there
 
             async def wait() -> None:
                 nonlocal code
                 try:
-                    code = await _call(process.wait)
+                    code = await sdk_call(process.wait)
                     stdin_scope.cancel()
                     if code != -1:  # the exit, maybe before the output ends (docs/processes.md)
                         sink.exited(code)
@@ -229,9 +227,9 @@ class _ModalExec(_SdkRuntime):
             view = memoryview(data or b"")
             for offset in range(0, len(view), STDIN_CHUNK):
                 process.stdin.write(bytes(view[offset : offset + STDIN_CHUNK]))
-                await _call(process.stdin.drain)
+                await sdk_call(process.stdin.drain)
             process.stdin.write_eof()
-            await _call(process.stdin.drain)
+            await sdk_call(process.stdin.drain)
         except Exception as exc:
             # Modal rejects stdin for a process that already exited (the worker reports a
             # dropped write); unread stdin is not an error, anything else is.
@@ -249,7 +247,7 @@ class _ModalExec(_SdkRuntime):
         async def send(write: Callable[[], None]) -> bool:
             try:
                 write()
-                await _call(process.stdin.drain)
+                await sdk_call(process.stdin.drain)
             except Exception as exc:
                 if await self._exited(process):
                     log.debug("modal: stdin not fully delivered, the process exited: %r", exc)
@@ -267,7 +265,7 @@ class _ModalExec(_SdkRuntime):
 
     async def _exited(self, process: Any) -> bool:
         try:
-            return await _call(process.poll) is not None
+            return await sdk_call(process.poll) is not None
         except Exception as exc:  # noqa: BLE001 - a probe: the caller re-raises the original
             log.debug("modal: poll of a process failed: %r", exc)
             return False
@@ -276,10 +274,10 @@ class _ModalExec(_SdkRuntime):
         """Kill the command's process group inside the sandbox (best effort, bounded)."""
         try:
             with anyio.fail_after(KILL_TIMEOUT):
-                process = await _call(
+                process = await sdk_call(
                     sandbox.exec, "sh", "-c", _KILL_SCRIPT, "sh", nonce, text=False
                 )
-                await _call(process.wait)
+                await sdk_call(process.wait)
         except Exception as exc:  # noqa: BLE001 - nothing to kill in a dead sandbox; else logged
             if await self._finished():
                 log.debug("modal: sandbox %s is gone, nothing to kill", self._sandbox_id)

@@ -32,16 +32,16 @@ from ..wrapper import CONTROL_DIR
 from . import client
 from .client import (
     KILL_TIMEOUT,
-    _call,
-    _collect,
-    _exception_module,
-    _is_transport_error,
-    _sweep_error,
+    is_transport_error,
     run_bounded_at_exit,
+    sdk_call,
+    sdk_collect,
+    stopped_errors,
+    sweep_calls,
 )
-from .config import ModalConfig, _is_dockerfile
-from .files import _ModalFiles
-from .process import _ModalExec
+from .config import ModalConfig, is_dockerfile
+from .files import ModalFiles
+from .process import ModalExec
 from .snapshots import (
     delete_recorded,
     delete_recorded_blocking,
@@ -59,7 +59,7 @@ CREATE_BACKOFF = (1.0, 30.0)
 """First and longest wait (seconds) between creations Modal refused as resource-exhausted."""
 
 
-class ModalRuntime(_ModalExec, _ModalFiles):
+class ModalRuntime(ModalExec, ModalFiles):
     """A Modal Sandbox: created on start, terminated on close.
 
     Besides the errors every runtime method documents: a sandbox Modal terminated (its
@@ -135,7 +135,7 @@ class ModalRuntime(_ModalExec, _ModalFiles):
             await self._detach(sandbox)
 
     async def _create_sandbox(self) -> None:
-        modal = client._modal()
+        modal = client.modal_sdk()
         errors = modal.exception
         kwargs = await self._create_arguments(modal)
         retrying = AsyncRetrying(
@@ -179,7 +179,7 @@ class ModalRuntime(_ModalExec, _ModalFiles):
         with anyio.CancelScope(shield=True):
             try:
                 with anyio.fail_after(self.config.create_timeout):
-                    sandbox = await _call(modal.Sandbox.create, **kwargs)
+                    sandbox = await sdk_call(modal.Sandbox.create, **kwargs)
             except TimeoutError as exc:
                 raise ProvisioningError(
                     f"the Modal sandbox did not come up within {self.config.create_timeout:g}s"
@@ -190,7 +190,7 @@ class ModalRuntime(_ModalExec, _ModalFiles):
     async def _create_arguments(self, modal: Any) -> dict[str, Any]:
         cfg = self.config
         try:
-            app = await _call(
+            app = await sdk_call(
                 modal.App.lookup,
                 cfg.app_name,
                 create_if_missing=True,
@@ -226,7 +226,7 @@ class ModalRuntime(_ModalExec, _ModalFiles):
 
     def _image(self, modal: Any) -> Any:
         image = self.config.image
-        if _is_dockerfile(image):
+        if is_dockerfile(image):
             path = Path(image)
             if not path.is_file():
                 raise ProvisioningError(f"Dockerfile not found: {image}")
@@ -299,18 +299,17 @@ class ModalRuntime(_ModalExec, _ModalFiles):
 
     async def _terminate(self, sandbox: Any) -> None:
         """Terminate; a failure is logged, not raised (see the module docs)."""
-        errors = _exception_module()
-        gone = (errors.NotFoundError, errors.ClientClosed, errors.ConflictError)
+        gone = stopped_errors()
         try:
             with anyio.fail_after(KILL_TIMEOUT):
                 async for attempt in self._transport_retrying():
                     with attempt:
                         try:
-                            await _call(sandbox.terminate)
+                            await sdk_call(sandbox.terminate)
                         except gone:
                             pass
                         except Exception as exc:
-                            if _is_transport_error(exc):
+                            if is_transport_error(exc):
                                 raise SandboxTransportError(str(exc)) from exc
                             raise
         except Exception as exc:  # noqa: BLE001 - close must finish; the sandbox is tagged and bounded
@@ -325,7 +324,7 @@ class ModalRuntime(_ModalExec, _ModalFiles):
     async def _detach(self, sandbox: Any) -> None:
         """Release the client-side resources of ``sandbox`` (a failure is only logged)."""
         try:
-            await _call(sandbox.detach)
+            await sdk_call(sandbox.detach)
         except Exception as exc:  # noqa: BLE001 - only releases client-side resources
             log.debug("modal: detach of %s failed: %r", self._sandbox_id, exc)
 
@@ -361,13 +360,10 @@ class ModalRuntime(_ModalExec, _ModalFiles):
             SandboxError: Modal refused the snapshot or its record (the image is deleted).
         """
         sandbox, cfg = self._live_sandbox(), self.config
-
-        async def take() -> Any:
-            return await _call(
+        async with self._modal_calls("snapshot_filesystem", None):
+            image = await sdk_call(
                 sandbox.snapshot_filesystem, cfg.snapshot_timeout, ttl=cfg.snapshot_ttl
             )
-
-        image = await self._sdk("snapshot_filesystem", None, take)
         snapshot = snapshot_from_labels(self.name, str(image.object_id), labels, "filesystem")
         try:
             await record_snapshot(cfg, snapshot.id, labels)
@@ -379,9 +375,9 @@ class ModalRuntime(_ModalExec, _ModalFiles):
 
     async def _delete_unrecorded(self, snapshot: SandboxSnapshot) -> None:
         """Delete the image of a snapshot whose record failed (it expires at its ttl anyway)."""
-        modal = client._modal()
+        modal = client.modal_sdk()
         try:
-            await _call(experimental(modal).image_delete, snapshot.id)
+            await sdk_call(experimental(modal).image_delete, snapshot.id)
         except Exception as exc:  # noqa: BLE001 - the record's error propagates; this one is logged
             log.warning(
                 "modal: could not delete the unrecorded image %s (it expires after "
@@ -432,15 +428,14 @@ class ModalRuntime(_ModalExec, _ModalFiles):
         sandbox = self._sandbox
         if sandbox is None:
             return False
-        errors = _exception_module()
         async for attempt in self._transport_retrying():
             with attempt:
                 try:
-                    code = await _call(sandbox.poll)
-                except (errors.NotFoundError, errors.ClientClosed, errors.ConflictError):
+                    code = await sdk_call(sandbox.poll)
+                except stopped_errors():
                     return False
                 except Exception as exc:
-                    if _is_transport_error(exc):
+                    if is_transport_error(exc):
                         raise SandboxTransportError(
                             f"{self.describe()}: liveness check failed: {exc}"
                         ) from exc
@@ -468,37 +463,35 @@ class ModalRuntime(_ModalExec, _ModalFiles):
             SandboxError: Modal refused the listing.
         """
         cfg = config if isinstance(config, ModalConfig) else ModalConfig()
-        modal = client._modal()
+        modal = client.modal_sdk()
         if not modal.config.config.get("token_id"):
             log.debug("modal: no credentials configured, nothing to list")
             return []
-        errors = modal.exception
-        try:
-            app = await _call(
-                modal.App.lookup,
-                cfg.app_name,
-                create_if_missing=False,
-                environment_name=cfg.environment,
-            )
-            found = await _collect(
-                modal.Sandbox.list, app_id=app.app_id, tags={ownership.BACKEND: cls.name}
-            )
-            infos = []
-            for sandbox in found:
-                labels = await _call(sandbox.get_tags)
-                infos.append(
-                    SandboxInfo(
-                        backend=cls.name,
-                        id=str(sandbox.object_id),
-                        labels=dict(labels),
-                        state="running" if sandbox.returncode is None else "finished",
-                        created=labels.get(ownership.CREATED),
-                    )
+        infos = []
+        with sweep_calls(f"list sandboxes of app {cfg.app_name!r}"):
+            try:
+                app = await sdk_call(
+                    modal.App.lookup,
+                    cfg.app_name,
+                    create_if_missing=False,
+                    environment_name=cfg.environment,
                 )
-        except errors.NotFoundError:
-            return []  # no such app: nothing was ever created under it
-        except Exception as exc:
-            raise _sweep_error(exc, f"list sandboxes of app {cfg.app_name!r}") from exc
+                found = await sdk_collect(
+                    modal.Sandbox.list, app_id=app.app_id, tags={ownership.BACKEND: cls.name}
+                )
+                for sandbox in found:
+                    labels = await sdk_call(sandbox.get_tags)
+                    infos.append(
+                        SandboxInfo(
+                            backend=cls.name,
+                            id=str(sandbox.object_id),
+                            labels=dict(labels),
+                            state="running" if sandbox.returncode is None else "finished",
+                            created=labels.get(ownership.CREATED),
+                        )
+                    )
+            except modal.exception.NotFoundError:
+                return []  # no such app: nothing was ever created under it
         return infos
 
     @classmethod
@@ -528,13 +521,11 @@ class ModalRuntime(_ModalExec, _ModalFiles):
             SandboxTransportError: Modal could not be reached.
             SandboxError: Modal refused to terminate it.
         """
-        modal = client._modal()
-        errors = modal.exception
-        try:
-            sandbox = await _call(modal.Sandbox.from_id, info.id)
-            await _call(sandbox.terminate)
-            await _call(sandbox.detach)
-        except errors.NotFoundError:
-            return
-        except Exception as exc:
-            raise _sweep_error(exc, f"terminate sandbox {info.id}") from exc
+        modal = client.modal_sdk()
+        with sweep_calls(f"terminate sandbox {info.id}"):
+            try:
+                sandbox = await sdk_call(modal.Sandbox.from_id, info.id)
+                await sdk_call(sandbox.terminate)
+                await sdk_call(sandbox.detach)
+            except modal.exception.NotFoundError:
+                return

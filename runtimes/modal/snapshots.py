@@ -20,7 +20,7 @@ from .. import ownership
 from ..errors import ProvisioningError
 from ..snapshot import SandboxSnapshot, SnapshotNotFoundError, snapshot_from_labels
 from . import client
-from .client import _call, _collect, _sweep_error, run_bounded_at_exit
+from .client import run_bounded_at_exit, sdk_call, sdk_collect, sweep_calls
 from .config import ModalConfig
 
 
@@ -49,11 +49,9 @@ async def record_snapshot(cfg: ModalConfig, image_id: str, labels: dict[str, str
         SandboxTransportError: Modal could not be reached.
         SandboxError: Modal refused.
     """
-    modal = client._modal()
-    try:
-        await _call(_records(modal, cfg, create=True).put, image_id, json.dumps(labels))
-    except Exception as exc:
-        raise _sweep_error(exc, f"record snapshot {image_id}") from exc
+    modal = client.modal_sdk()
+    with sweep_calls(f"record snapshot {image_id}"):
+        await sdk_call(_records(modal, cfg, create=True).put, image_id, json.dumps(labels))
 
 
 async def fork_image(cfg: ModalConfig, snapshot: SandboxSnapshot) -> Any:
@@ -63,10 +61,10 @@ async def fork_image(cfg: ModalConfig, snapshot: SandboxSnapshot) -> Any:
         SnapshotNotFoundError: Modal has no such image (deleted, or expired after its ttl).
         ProvisioningError: Modal could not be asked.
     """
-    modal = client._modal()
+    modal = client.modal_sdk()
     image = modal.Image.from_id(snapshot.id)
     try:
-        await _call(image.hydrate)
+        await sdk_call(image.hydrate)
     except modal.exception.NotFoundError as exc:
         raise SnapshotNotFoundError(f"{snapshot.describe()} is gone from Modal: {exc}") from None
     except Exception as exc:
@@ -83,15 +81,14 @@ async def list_recorded(cfg: ModalConfig) -> list[SandboxSnapshot]:
         SandboxTransportError: Modal could not be reached.
         SandboxError: Modal refused the listing.
     """
-    modal = client._modal()
+    modal = client.modal_sdk()
     if not modal.config.config.get("token_id"):
         return []
-    try:
-        items = await _collect(_records(modal, cfg, create=False).items)
-    except modal.exception.NotFoundError:
-        return []  # no record was ever written
-    except Exception as exc:
-        raise _sweep_error(exc, "list snapshots") from exc
+    with sweep_calls("list snapshots"):
+        try:
+            items = await sdk_collect(_records(modal, cfg, create=False).items)
+        except modal.exception.NotFoundError:
+            return []  # no record was ever written
     found = []
     for image_id, value in items:
         try:
@@ -111,19 +108,18 @@ async def delete_recorded(cfg: ModalConfig, snapshot: SandboxSnapshot) -> None:
         SandboxTransportError: Modal could not be reached.
         SandboxError: Modal refused.
     """
-    modal = client._modal()
+    modal = client.modal_sdk()
     errors = modal.exception
     records = _records(modal, cfg, create=False)
-    try:
-        if await _call(records.get, snapshot.id) is None:
-            return
-        with contextlib.suppress(errors.NotFoundError):  # expired already
-            await _call(experimental(modal).image_delete, snapshot.id)
-        await _call(records.pop, snapshot.id, None)
-    except errors.NotFoundError:
-        return  # no record was ever written
-    except Exception as exc:
-        raise _sweep_error(exc, f"delete snapshot {snapshot.id}") from exc
+    with sweep_calls(f"delete snapshot {snapshot.id}"):
+        try:
+            if await sdk_call(records.get, snapshot.id) is None:
+                return
+            with contextlib.suppress(errors.NotFoundError):  # expired already
+                await sdk_call(experimental(modal).image_delete, snapshot.id)
+            await sdk_call(records.pop, snapshot.id, None)
+        except errors.NotFoundError:
+            return  # no record was ever written
 
 
 def delete_recorded_blocking(cfg: ModalConfig, snapshot: SandboxSnapshot) -> None:
@@ -135,7 +131,7 @@ def delete_recorded_blocking(cfg: ModalConfig, snapshot: SandboxSnapshot) -> Non
     """
 
     def delete() -> None:
-        modal = client._modal()
+        modal = client.modal_sdk()
         try:
             records = _records(modal, cfg, create=False)
             if records.get(snapshot.id) is not None:

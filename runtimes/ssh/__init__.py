@@ -25,7 +25,8 @@ The package: :mod:`~runtimes.ssh.config` (the config model), :mod:`~runtimes.ssh
 (connection upkeep: reconnects, retries, worker threads, forwards),
 :mod:`~runtimes.ssh.files` (SFTP), :mod:`~runtimes.ssh.process` (the wrapper's arguments and
 the stream pump), :mod:`~runtimes.ssh.control` with :mod:`~runtimes.ssh.scripts` (bookkeeping
-scripts), :mod:`~runtimes.ssh.forward` (bridging forwarded connections) and
+scripts), :mod:`~runtimes.ssh.forward` (bridging forwarded connections),
+:mod:`~runtimes.ssh.faults` (paramiko's exception table, applied at the boundary) and
 :mod:`~runtimes.ssh.runtime` (:class:`SSHRuntime`).
 """
 

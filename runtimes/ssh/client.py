@@ -1,5 +1,5 @@
 """One SSH connection (blocking paramiko calls): host key checks, credentials, the handshake,
-and :class:`_Connection` (a transport plus its lazily opened SFTP client).
+and :class:`Connection` (a transport plus its lazily opened SFTP client).
 
 The host key and authentication errors are public (re-exported by :mod:`runtimes.ssh`).
 """
@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from ..errors import ProvisioningError
 from ..models import MiB
-from .config import SSHConfig, _parse_host_key_line
+from .config import SSHConfig, parse_host_key_line
+from .faults import paramiko_failures
 
 if TYPE_CHECKING:
     import paramiko
 
 log = logging.getLogger("runtimes.ssh")
 
-_CHUNK = 1 * MiB
+CHUNK = 1 * MiB
 _WINDOW = 16 * MiB
 _MAX_PACKET = 32 * 1024
 _READER_EXIT = 2.0
@@ -134,7 +135,7 @@ def _host_key_name(config: SSHConfig) -> str:
 def _expected_host_keys(config: SSHConfig) -> dict[str, bytes]:
     """Key type -> key blob the server must present (empty: unknown host)."""
     if config.host_key is not None:
-        key_type, blob = _parse_host_key_line(config.host_key)
+        key_type, blob = parse_host_key_line(config.host_key)
         return {key_type: blob}
     import paramiko
 
@@ -274,7 +275,7 @@ def _authenticate(transport: paramiko.Transport, config: SSHConfig) -> None:
     raise SSHAuthenticationError(f"authentication failed for {config.destination} (tried: {what})")
 
 
-def _connect(config: SSHConfig, accepted: dict[str, bytes]) -> paramiko.Transport:
+def connect(config: SSHConfig, accepted: dict[str, bytes]) -> paramiko.Transport:
     """Open, verify and authenticate one transport. Raises ProvisioningError subclasses."""
     import paramiko
 
@@ -297,7 +298,7 @@ def _connect(config: SSHConfig, accepted: dict[str, bytes]) -> paramiko.Transpor
             # start_client returns quietly on timeout: get_remote_server_key then raises.
             transport.start_client(timeout=config.connect_timeout)
             server_key = transport.get_remote_server_key()
-        except (paramiko.SSHException, OSError, EOFError) as exc:
+        except paramiko_failures() as exc:
             raise HostUnreachableError(
                 f"SSH handshake with {config.host}:{config.port} failed or timed out after "
                 f"{config.connect_timeout:g}s: {exc or type(exc).__name__}"
@@ -305,7 +306,7 @@ def _connect(config: SSHConfig, accepted: dict[str, bytes]) -> paramiko.Transpor
         _verify_host_key(config, server_key, expected, accepted)
         try:
             _authenticate(transport, config)
-        except (paramiko.SSHException, OSError, EOFError) as exc:
+        except paramiko_failures() as exc:
             if isinstance(exc, paramiko.AuthenticationException):
                 raise
             raise HostUnreachableError(
@@ -329,7 +330,7 @@ def _connect(config: SSHConfig, accepted: dict[str, bytes]) -> paramiko.Transpor
     return transport
 
 
-class _Connection:
+class Connection:
     """One authenticated transport plus its lazily opened SFTP client (blocking calls)."""
 
     def __init__(self, transport: paramiko.Transport, io_timeout: float):
@@ -350,7 +351,7 @@ class _Connection:
                 window_size=_WINDOW, max_packet_size=_MAX_PACKET, timeout=self.io_timeout
             )
             chan.settimeout(self.io_timeout)
-            with _answer_within(chan, self.io_timeout):
+            with answer_within(chan, self.io_timeout):
                 chan.invoke_subsystem("sftp")
                 self._sftp = paramiko.SFTPClient(chan)
         return self._sftp
@@ -385,12 +386,11 @@ class _Connection:
 
 
 @contextlib.contextmanager
-def _answer_within(channel: paramiko.Channel, seconds: float) -> Iterator[None]:
+def answer_within(channel: paramiko.Channel, seconds: float) -> Iterator[None]:
     """paramiko waits for the answer to a channel request (exec, subsystem) without a
     timeout: a server that stopped answering (paused, wedged) would hold the thread for
     ever. After ``seconds`` the channel is closed, which ends the wait; that is reported
     as a ``TimeoutError`` (a connection failure for the callers)."""
-    import paramiko
 
     expired = threading.Event()
 
@@ -403,7 +403,7 @@ def _answer_within(channel: paramiko.Channel, seconds: float) -> Iterator[None]:
     watchdog.start()
     try:
         yield
-    except (paramiko.SSHException, EOFError, OSError) as exc:
+    except paramiko_failures() as exc:
         if expired.is_set():
             raise TimeoutError(f"the server did not answer within {seconds:g}s") from exc
         raise

@@ -110,7 +110,7 @@ class SSHConfig(RuntimeConfig):
     @classmethod
     def _check_host_key(cls, value: str | None) -> str | None:
         if value is not None:
-            _parse_host_key_line(value)
+            parse_host_key_line(value)
         return value
 
     _plain_policy_user = field_validator("policy_user", "judge_user")(validate_policy_user)
@@ -167,7 +167,7 @@ class SSHConfig(RuntimeConfig):
         return f"{self.username}@{self.host}:{self.port}"
 
 
-def _parse_host_key_line(line: str) -> tuple[str, bytes]:
+def parse_host_key_line(line: str) -> tuple[str, bytes]:
     """``"ssh-ed25519 AAAA... [comment]"`` -> (key type, key blob)."""
     fields = line.split()
     if len(fields) < 2:

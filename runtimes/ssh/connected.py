@@ -5,10 +5,11 @@ retries idempotent calls a bounded number of times, and runs every blocking para
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -23,10 +24,11 @@ from ..errors import (
     SandboxTransportError,
     SandboxUnavailableError,
 )
-from .client import HostKeyVerificationError, _connect, _Connection
+from .client import Connection, HostKeyVerificationError, connect
 from .config import SSHConfig
-from .control import _ControlScript, _run_control
-from .forward import _bridge, _Forward
+from .control import ControlScript, run_control
+from .faults import Fault, Request, fault, paramiko_failures, timed_out
+from .forward import Forward, bridge
 
 if TYPE_CHECKING:
     import paramiko
@@ -38,17 +40,17 @@ T = TypeVar("T")
 _RETRY_ATTEMPTS = 3
 
 
-class _ConnectedRuntime(Runtime):
+class ConnectedRuntime(Runtime):
     """A runtime on one SSH connection: reconnecting, retries, worker-thread calls, forwards."""
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
         self.config: SSHConfig
-        self._conn: _Connection | None = None
+        self._conn: Connection | None = None
         self._conn_released = False
         """``close()`` let the connection go: no call may open another (it would leak)."""
         self._accepted_keys: dict[str, bytes] = {}
-        self._forwards: dict[int, _Forward] = {}
+        self._forwards: dict[int, Forward] = {}
         self._connect_lock: anyio.Lock | None = None
         self._sftp_lock: anyio.Lock | None = None
         self._control_slots: anyio.Semaphore | None = None
@@ -57,12 +59,12 @@ class _ConnectedRuntime(Runtime):
     def _released(self) -> bool:
         return self._conn_released
 
-    def _open_connection(self) -> _Connection:
-        return _Connection(_connect(self.config, self._accepted_keys), self.config.io_timeout)
+    def _open_connection(self) -> Connection:
+        return Connection(connect(self.config, self._accepted_keys), self.config.io_timeout)
 
     # ------------------------------------------------------------------ connection
 
-    async def _connection(self) -> _Connection:
+    async def _connection(self) -> Connection:
         """The live connection, reconnecting first when it dropped.
 
         Raises:
@@ -99,16 +101,45 @@ class _ConnectedRuntime(Runtime):
             await self._restore_forwards(conn)
             return conn
 
-    @staticmethod
-    def _connection_failed(conn: _Connection, exc: BaseException) -> bool:
-        """Whether ``exc`` means the connection (not the remote operation) failed."""
-        import paramiko
+    @contextlib.contextmanager
+    def _paramiko_calls(
+        self,
+        conn: Connection,
+        what: str,
+        refused: str | None = None,
+        *,
+        request: Request = "channel",
+        hint: str = "",
+        unanswered: str | None = None,
+        alive: Callable[[], bool] | None = None,
+    ) -> Iterator[None]:
+        """The boundary of paramiko calls on ``conn``: what they raise is read with
+        paramiko's exception table (:mod:`.faults`).
 
-        if isinstance(exc, EOFError | TimeoutError | paramiko.SSHException):
-            return True
-        return not conn.transport.is_active()
+        A failure of the connection is ``SandboxTransportError`` naming ``what`` (the
+        connection marked broken); a refusal of the one operation, where the call site has
+        one (``refused``), is ``SandboxError("<sandbox>: <refused>: <exc><hint>")``. With
+        ``unanswered``, a wait that timed out on a live transport is a slow server, not a
+        dead connection: ``SandboxTransportError("<sandbox>: <unanswered>")``, the
+        connection left to the keepalives. ``alive``: whether the connection still serves
+        this call (default: its transport is up).
+        """
+        try:
+            yield
+        except SandboxError:
+            raise
+        except paramiko_failures() as exc:
+            if unanswered is not None and timed_out(exc) and conn.transport.is_active():
+                # A slow server (a loaded host), not a dead connection: that is for the
+                # keepalives to say. Marked broken, the next call would close the
+                # connection under every call in flight on it.
+                raise SandboxTransportError(f"{self.describe()}: {unanswered}") from exc
+            up = (alive or conn.transport.is_active)()
+            if refused is not None and fault(exc, request, up) is Fault.REFUSED:
+                raise SandboxError(f"{self.describe()}: {refused}: {exc}{hint}") from exc
+            raise self._broken(conn, what, exc) from exc
 
-    def _broken(self, conn: _Connection, what: str, exc: BaseException) -> SandboxTransportError:
+    def _broken(self, conn: Connection, what: str, exc: BaseException) -> SandboxTransportError:
         conn.broken = True
         reason = str(exc) or type(exc).__name__
         return SandboxTransportError(
@@ -142,32 +173,20 @@ class _ConnectedRuntime(Runtime):
         return await retrying(fn, *args)
 
     async def _control(
-        self, script: _ControlScript, stdin: bytes | None = None, *, timeout: float | None = None
+        self, script: ControlScript, stdin: bytes | None = None, *, timeout: float | None = None
     ) -> tuple[int, bytes, bytes]:
         """Run a bookkeeping script on its own channel (not retried); ``timeout`` defaults
         to ``io_timeout``."""
-        import paramiko
-
         assert self._control_slots is not None
         seconds = timeout or self.config.io_timeout
         async with self._control_slots:
             conn = await self._connection()
-            try:
-                return await self._thread(_run_control, conn.transport, script, stdin, seconds)
-            except (paramiko.SSHException, OSError, EOFError) as exc:
-                if _timed_out(exc) and conn.transport.is_active():
-                    # A slow server (a loaded host), not a dead connection: that is for the
-                    # keepalives to say. Marked broken, the next call would close the
-                    # connection under every call in flight on it.
-                    raise SandboxTransportError(
-                        f"{self.describe()}: a control command got no answer within {seconds:g}s"
-                    ) from exc
-                raise self._broken(conn, "a control command", exc) from exc
+            unanswered = f"a control command got no answer within {seconds:g}s"
+            with self._paramiko_calls(conn, "a control command", unanswered=unanswered):
+                return await self._thread(run_control, conn.transport, script, stdin, seconds)
 
     async def _sftp_call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(sftp, *args)`` in a thread; SFTP clients are not thread-safe: one at a time."""
-        import paramiko
-
         assert self._sftp_lock is not None
         async with self._sftp_lock:
             conn = await self._connection()
@@ -176,29 +195,24 @@ class _ConnectedRuntime(Runtime):
                 return fn(conn.sftp(), *args)
 
             what = f"sftp {fn.__name__.lstrip('_')}"
+
+            def serving() -> bool:
+                return conn.transport.is_active() and not conn.sftp_closed()
+
             try:
-                return await self._thread(call)
-            except SandboxError:
-                raise
+                with self._paramiko_calls(conn, what, f"{what} failed", alive=serving):
+                    return await self._thread(call)
             except UnicodeEncodeError as exc:  # paramiko sends paths as strict UTF-8
                 raise SandboxInvalidArgumentError(
                     f"{self.describe()}: SFTP takes only valid UTF-8 paths, not {exc.object!r}"
                 ) from None
-            except (paramiko.SSHException, OSError, EOFError) as exc:
-                if self._connection_failed(conn, exc) or conn.sftp_closed():
-                    raise self._broken(conn, what, exc) from exc
-                raise SandboxError(f"{self.describe()}: {what} failed: {exc}") from exc
 
-    async def _open_channel(self) -> tuple[_Connection, paramiko.Channel]:
-        import paramiko
-
+    async def _open_channel(self) -> tuple[Connection, paramiko.Channel]:
         conn = await self._connection()
-        try:
+        with self._paramiko_calls(conn, "opening a channel"):
             channel = await self._thread(
                 functools.partial(conn.transport.open_session, timeout=self.config.io_timeout)
             )
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise self._broken(conn, "opening a channel", exc) from exc
         return conn, channel
 
     # ------------------------------------------------------------------ port forwarding
@@ -226,7 +240,7 @@ class _ConnectedRuntime(Runtime):
                 f"invalid ports: local {local_port}, remote {remote_port}"
             )
         conn = await self._connection()
-        forward = _Forward(local_host, local_port)
+        forward = Forward(local_host, local_port)
         bound = await self._request_forward(conn, remote_port, forward)
         self._forwards[bound] = forward
         return bound
@@ -242,15 +256,10 @@ class _ConnectedRuntime(Runtime):
             return
         conn = self._conn
         if conn is not None and conn.usable():
-            import paramiko
-
-            try:
+            with self._paramiko_calls(conn, "cancelling a port forward"):
                 await self._thread(conn.transport.cancel_port_forward, "127.0.0.1", remote_port)
-            except (paramiko.SSHException, OSError, EOFError) as exc:
-                raise self._broken(conn, "cancelling a port forward", exc) from exc
 
-    async def _request_forward(self, conn: _Connection, remote_port: int, forward: _Forward) -> int:
-        import paramiko
+    async def _request_forward(self, conn: Connection, remote_port: int, forward: Forward) -> int:
 
         timeout = self.config.io_timeout
 
@@ -258,24 +267,21 @@ class _ConnectedRuntime(Runtime):
             channel: paramiko.Channel, origin: tuple[str, int], server: tuple[str, int]
         ) -> None:
             threading.Thread(
-                target=_bridge, args=(channel, forward, timeout), name="vf-ssh-forward", daemon=True
+                target=bridge, args=(channel, forward, timeout), name="vf-ssh-forward", daemon=True
             ).start()
 
-        try:
+        with self._paramiko_calls(
+            conn,
+            "a port forward request",
+            f"the server refused to forward remote port {remote_port}",
+            request="global",
+            hint=" (is AllowTcpForwarding enabled?)",
+        ):
             return await self._thread(
                 conn.transport.request_port_forward, "127.0.0.1", remote_port, handler
             )
-        except paramiko.SSHException as exc:
-            if conn.transport.is_active():
-                raise SandboxError(
-                    f"{self.describe()}: the server refused to forward remote port {remote_port}: "
-                    f"{exc} (is AllowTcpForwarding enabled?)"
-                ) from exc
-            raise self._broken(conn, "a port forward request", exc) from exc
-        except (OSError, EOFError) as exc:
-            raise self._broken(conn, "a port forward request", exc) from exc
 
-    async def _restore_forwards(self, conn: _Connection) -> None:
+    async def _restore_forwards(self, conn: Connection) -> None:
         for port, forward in list(self._forwards.items()):
             try:
                 await self._request_forward(conn, port, forward)
@@ -287,9 +293,3 @@ class _ConnectedRuntime(Runtime):
                     exc,
                 )
                 self._forwards.pop(port, None)
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """Whether paramiko gave up waiting for an answer (it has no type of its own for an
-    unanswered channel open)."""
-    return isinstance(exc, TimeoutError) or str(exc).startswith("Timeout opening channel")

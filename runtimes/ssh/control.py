@@ -21,9 +21,10 @@ from ..models import SandboxInfo
 from ..scripts import load
 from ..snapshot import SandboxSnapshot, snapshot_from_labels
 from ..subprocess import tree_copy
-from .client import _CHUNK, _answer_within, _connect
+from .client import CHUNK, answer_within, connect
 from .config import SSHConfig
-from .process import _MARKER_VAR
+from .faults import paramiko_failures
+from .process import MARKER_VAR
 
 if TYPE_CHECKING:
     import paramiko
@@ -37,7 +38,7 @@ _SNAPSHOT_PREFIX = "vf-snapshot."
 _SNAPSHOT_META = "snapshot.json"
 
 
-class _ControlScript(NamedTuple):
+class ControlScript(NamedTuple):
     """A script of :mod:`runtimes.ssh.scripts` and its positional arguments."""
 
     name: str
@@ -49,73 +50,73 @@ class _ControlScript(NamedTuple):
         return shlex.join(["sh", "-c", load(self.name, _SCRIPTS), "sh", *self.args])
 
 
-def _setup_script(
+def setup_script(
     workdir: str | None, snapshot: str | None = None, passage: bool = False
-) -> _ControlScript:
+) -> ControlScript:
     """Create the sandbox directory (metadata on stdin); prints it, the workdir and tools.
     ``snapshot``: a snapshot directory whose tree becomes the workdir; ``passage``: let the
     policy's account through the directory."""
     args = (_SANDBOX_PREFIX, _META, workdir or "", snapshot or "", "1" if passage else "")
-    return _ControlScript("setup", args)
+    return ControlScript("setup", args)
 
 
-def _snapshot_script(workdir: str) -> _ControlScript:
+def snapshot_script(workdir: str) -> ControlScript:
     """Copy the workdir into a new snapshot directory (metadata on stdin) with the host's
     ``python3`` running :mod:`runtimes.subprocess.tree_copy` (``cp -a`` without one); prints
     the directory."""
     args = (_SNAPSHOT_PREFIX, _SNAPSHOT_META, workdir, tree_copy.source_text())
-    return _ControlScript("snapshot", args)
+    return ControlScript("snapshot", args)
 
 
-def _kill_script(pgids: Iterable[int]) -> _ControlScript:
+def kill_script(pgids: Iterable[int]) -> ControlScript:
     """Kill process groups: each leader's pid first (the wrapper reports it before setsid()
     makes it a group), then the group."""
     targets = [(str(int(pgid)), f"-{int(pgid)}") for pgid in sorted(set(pgids))]
-    return _ControlScript("kill", tuple(arg for pair in targets for arg in pair))
+    return ControlScript("kill", tuple(arg for pair in targets for arg in pair))
 
 
-def _orphan_kill_script(pgids: Iterable[int], marker: str) -> _ControlScript:
+def orphan_kill_script(pgids: Iterable[int], marker: str) -> ControlScript:
     """Kill each process group whose leader's environment carries the marker."""
     groups = tuple(str(int(pgid)) for pgid in sorted(set(pgids)))
-    return _ControlScript("orphan_kill", (f"{_MARKER_VAR}={marker}", *groups))
+    return ControlScript("orphan_kill", (f"{MARKER_VAR}={marker}", *groups))
 
 
-def _remove_script(directory: str, marker: str | None, home: str | None) -> _ControlScript:
+def remove_script(directory: str, marker: str | None, home: str | None) -> ControlScript:
     """Sweep (freeze, then kill) every process whose environment carries the marker or whose
     working directory is ``home``, then remove ``directory``."""
-    sweep = sweep_argv("mark", f"{_MARKER_VAR}={marker}", home=home) if marker else []
-    return _ControlScript("remove", (directory, *sweep))
+    sweep = sweep_argv("mark", f"{MARKER_VAR}={marker}", home=home) if marker else []
+    return ControlScript("remove", (directory, *sweep))
 
 
-def _list_script() -> _ControlScript:
-    return _ControlScript("list", (_SANDBOX_PREFIX, _META))
+def _list_script() -> ControlScript:
+    return ControlScript("list", (_SANDBOX_PREFIX, _META))
 
 
-def _valid_sandbox_dir(path: str, prefix: str = _SANDBOX_PREFIX) -> bool:
+def valid_sandbox_dir(path: str, prefix: str = _SANDBOX_PREFIX) -> bool:
     name = posixpath.basename(path)
     return path.startswith("/") and name.startswith(prefix) and "/" not in name and ".." not in path
 
 
 def valid_snapshot_dir(path: str) -> bool:
     """Whether ``path`` has the form of a snapshot directory this backend makes."""
-    return _valid_sandbox_dir(path, _SNAPSHOT_PREFIX)
+    return valid_sandbox_dir(path, _SNAPSHOT_PREFIX)
 
 
 def _read_channel(recv: Callable[[int], bytes]) -> bytes:
     chunks = []
-    while data := recv(_CHUNK):
+    while data := recv(CHUNK):
         chunks.append(data)
     return b"".join(chunks)
 
 
-def _run_control(
-    transport: paramiko.Transport, script: _ControlScript, stdin: bytes | None, timeout: float
+def run_control(
+    transport: paramiko.Transport, script: ControlScript, stdin: bytes | None, timeout: float
 ) -> tuple[int, bytes, bytes]:
     """Run a short bookkeeping script (no wrapper); returns (status, stdout, stderr)."""
     chan = transport.open_session(timeout=timeout)
     try:
         chan.settimeout(timeout)
-        with _answer_within(chan, timeout):
+        with answer_within(chan, timeout):
             chan.exec_command(script.command)
         if stdin:
             chan.sendall(stdin)
@@ -127,14 +128,12 @@ def _run_control(
         chan.close()
 
 
-async def _one_shot(config: SSHConfig, script: _ControlScript) -> tuple[int, bytes, bytes]:
+async def _one_shot(config: SSHConfig, script: ControlScript) -> tuple[int, bytes, bytes]:
     def run() -> tuple[int, bytes, bytes]:
-        import paramiko
-
-        transport = _connect(config, {})
+        transport = connect(config, {})
         try:
-            return _run_control(transport, script, None, config.io_timeout)
-        except (paramiko.SSHException, OSError, EOFError) as exc:
+            return run_control(transport, script, None, config.io_timeout)
+        except paramiko_failures() as exc:
             raise SandboxTransportError(
                 f"control command on {config.destination} failed: {exc}"
             ) from exc
@@ -184,9 +183,9 @@ async def list_host_sandboxes(config: SSHConfig) -> list[SandboxInfo]:
 async def destroy_host_sandbox(info: SandboxInfo, config: SSHConfig) -> None:
     """Kill what still runs in a listed sandbox and remove its directory (see
     :meth:`SSHRuntime.destroy_sandbox`)."""
-    if not _valid_sandbox_dir(info.id):
+    if not valid_sandbox_dir(info.id):
         raise SandboxInvalidArgumentError(f"not an ssh sandbox directory: {info.id!r}")
-    script = _remove_script(info.id, posixpath.basename(info.id), f"{info.id}/work")
+    script = remove_script(info.id, posixpath.basename(info.id), f"{info.id}/work")
     code, _, err = await _one_shot(config, script)
     if code != 0:
         raise SandboxTransportError(f"removing {info.id} on {config.destination} failed: {err!r}")
@@ -194,7 +193,7 @@ async def destroy_host_sandbox(info: SandboxInfo, config: SSHConfig) -> None:
 
 async def list_host_snapshots(config: SSHConfig) -> list[SandboxSnapshot]:
     """Snapshot directories on ``config``'s host (see :meth:`SSHRuntime.list_snapshots`)."""
-    script = _ControlScript("list", (_SNAPSHOT_PREFIX, _SNAPSHOT_META))
+    script = ControlScript("list", (_SNAPSHOT_PREFIX, _SNAPSHOT_META))
     code, out, err = await _one_shot(config, script)
     if code != 0:
         raise SandboxTransportError(f"listing snapshots on {config.destination} failed: {err!r}")
@@ -204,7 +203,7 @@ async def list_host_snapshots(config: SSHConfig) -> list[SandboxSnapshot]:
     ]
 
 
-def remove_snapshot_script(snapshot: SandboxSnapshot) -> _ControlScript:
+def remove_snapshot_script(snapshot: SandboxSnapshot) -> ControlScript:
     """Remove a snapshot directory (nothing runs in it: no sweep).
 
     Raises:
@@ -212,7 +211,7 @@ def remove_snapshot_script(snapshot: SandboxSnapshot) -> _ControlScript:
     """
     if not valid_snapshot_dir(snapshot.id):
         raise SandboxInvalidArgumentError(f"not an ssh snapshot directory: {snapshot.id!r}")
-    return _ControlScript("remove", (snapshot.id,))
+    return ControlScript("remove", (snapshot.id,))
 
 
 async def destroy_host_snapshot(snapshot: SandboxSnapshot, config: SSHConfig) -> None:

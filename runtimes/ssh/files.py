@@ -24,7 +24,7 @@ from ..errors import (
     SandboxPermissionError,
     error_for_errno,
 )
-from .client import _CHUNK
+from .client import CHUNK
 
 if TYPE_CHECKING:
     import paramiko
@@ -49,7 +49,7 @@ _VERIFY_LIMIT = 256 * 1024 * 1024
 """Bytes a file the channel agent runs from may have, when it is read to be verified."""
 
 
-def _sftp_read_or_none(sftp: paramiko.SFTPClient, path: str) -> bytes | None:
+def sftp_read_or_none(sftp: paramiko.SFTPClient, path: str) -> bytes | None:
     """A file's bytes through SFTP (no shell, no command), ``None`` if it is not there."""
     try:
         sftp.lstat(path)
@@ -59,7 +59,7 @@ def _sftp_read_or_none(sftp: paramiko.SFTPClient, path: str) -> bytes | None:
         if exc.errno is None or exc.errno in (errno.ENOENT,):
             return None
         raise
-    return _sftp_read(sftp, path, _VERIFY_LIMIT)
+    return sftp_read(sftp, path, _VERIFY_LIMIT)
 
 
 def _sftp_error(exc: OSError, path: str) -> SandboxError | None:
@@ -69,7 +69,7 @@ def _sftp_error(exc: OSError, path: str) -> SandboxError | None:
     return None
 
 
-def _is_dir(sftp: paramiko.SFTPClient, path: str) -> bool | None:
+def is_dir(sftp: paramiko.SFTPClient, path: str) -> bool | None:
     """True/False for an existing path (following symlinks), None when it is missing."""
     try:
         mode = sftp.stat(path).st_mode
@@ -84,23 +84,23 @@ def _diagnose(sftp: paramiko.SFTPClient, path: str, exc: OSError) -> SandboxErro
     """SFTP reports ENOTDIR as 'no such file' and EISDIR as a bare failure: look closer."""
     if exc.errno == errno.EACCES:
         return error_for_errno(errno.EACCES, path, None)
-    if _is_dir(sftp, path):
+    if is_dir(sftp, path):
         return SandboxIsADirectoryError(path)
     parent = posixpath.dirname(path)
     while parent and parent != "/":
-        kind = _is_dir(sftp, parent)
+        kind = is_dir(sftp, parent)
         if kind is False:
             return SandboxNotADirectoryError(path, f"{parent} is not a directory")
         if kind:
             break
         parent = posixpath.dirname(parent)
-    if exc.errno in (errno.ENOENT, None) and _is_dir(sftp, path) is None:
+    if exc.errno in (errno.ENOENT, None) and is_dir(sftp, path) is None:
         return SandboxFileNotFoundError(path)
     typed = _sftp_error(exc, path)
     return typed or SandboxError(f"sftp operation on {path!r} failed: {exc}")
 
 
-def _sftp_read(sftp: paramiko.SFTPClient, path: str, limit: int) -> bytes:
+def sftp_read(sftp: paramiko.SFTPClient, path: str, limit: int) -> bytes:
     try:
         attrs = sftp.stat(path)
     except OSError as exc:
@@ -142,7 +142,7 @@ def _read_to_limit(fh: paramiko.SFTPFile, limit: int) -> bytes:
 
 def _sftp_ensure_dir(sftp: paramiko.SFTPClient, directory: str, target: str) -> None:
     """mkdir -p over SFTP; errors name ``target`` (the file being written)."""
-    kind = _is_dir(sftp, directory)
+    kind = is_dir(sftp, directory)
     if kind:
         return
     if kind is False:
@@ -153,7 +153,7 @@ def _sftp_ensure_dir(sftp: paramiko.SFTPClient, directory: str, target: str) -> 
     try:
         sftp.mkdir(directory)
     except OSError as exc:
-        if _is_dir(sftp, directory):
+        if is_dir(sftp, directory):
             return  # made concurrently
         if exc.errno is None or exc.errno in _FILE_ERRNOS:
             raise _diagnose(sftp, target, exc) from None
@@ -173,7 +173,7 @@ def _refuse_fifo(sftp: paramiko.SFTPClient, path: str) -> paramiko.SFTPAttribute
     return info
 
 
-def _sftp_write(sftp: paramiko.SFTPClient, path: str, data: bytes) -> None:
+def sftp_write(sftp: paramiko.SFTPClient, path: str, data: bytes) -> None:
     """Write into a temporary file next to the target and rename it over the target, so a
     write cut midway (server killed, connection lost) leaves the old content or the new,
     never a mix. In place where a rename could not keep the file what it was: not a
@@ -257,11 +257,11 @@ def _sftp_write_in_place(sftp: paramiko.SFTPClient, path: str, data: bytes) -> N
 def _write_chunks(fh: paramiko.SFTPFile, data: bytes) -> None:
     fh.set_pipelined(True)
     view = memoryview(data)
-    for offset in range(0, len(view), _CHUNK):
-        fh.write(bytes(view[offset : offset + _CHUNK]))
+    for offset in range(0, len(view), CHUNK):
+        fh.write(bytes(view[offset : offset + CHUNK]))
 
 
-def _sftp_exists(sftp: paramiko.SFTPClient, path: str) -> bool:
+def sftp_exists(sftp: paramiko.SFTPClient, path: str) -> bool:
     try:
         sftp.lstat(path)
     except OSError as exc:

@@ -17,12 +17,12 @@ log = logging.getLogger("runtimes.ssh")
 
 
 @dataclass
-class _Forward:
+class Forward:
     local_host: str
     local_port: int
 
 
-def _bridge(channel: paramiko.Channel, forward: _Forward, timeout: float) -> None:
+def bridge(channel: paramiko.Channel, forward: Forward, timeout: float) -> None:
     """Pump bytes between a forwarded channel and a new local TCP connection."""
     try:
         sock = socket.create_connection((forward.local_host, forward.local_port), timeout=timeout)

@@ -1,7 +1,8 @@
 """Commands on SSH exec channels: the arguments of the one exec wrapper
-(:mod:`runtimes.wrapper`) each command runs under, the pump that reads a command's two
-streams (taking the wrapper's report out of stderr), and the channel agent's transport (an
-exec channel with stdin attached).
+(:mod:`runtimes.wrapper`) each command runs under (with the ``prlimit`` prefix of the config's
+limits), the pump that reads a command's two streams (taking the wrapper's report out of
+stderr) while its stdin is fed, and the channel agent's transport (an exec channel with stdin
+attached).
 """
 
 from __future__ import annotations
@@ -13,25 +14,33 @@ import shlex
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
+import anyio
 import anyio.from_thread
+import anyio.to_thread
 
 from ..arguments import text_bytes
 from ..channel import BOOTSTRAP, PROBE, ChannelTransport
-from ..models import ExecRequest, OutputSink, Stream
+from ..errors import ProvisioningError
+from ..models import ExecRequest, OutputSink, StdinSource, Stream
+from ..resources import MIB
+from ..stdin_feed import feed_stdin
 from ..wrapper import ReportReader, wrapper_argv
-from .client import _CHUNK, _answer_within
+from .client import CHUNK, answer_within
+from .config import SSHConfig
+from .faults import paramiko_failures
 
 if TYPE_CHECKING:
     import paramiko
 
-_MARKER_VAR = "VF_SANDBOX_ID"
+MARKER_VAR = "VF_SANDBOX_ID"
 """The environment variable that marks every process of the sandbox (its directory's name)."""
 
 
 @dataclass(frozen=True)
-class _Tools:
+class Tools:
     """Absolute paths of the remote helpers, found once at start (a command's own PATH
     from ``env=`` must not decide whether the wrapper finds ``setsid``)."""
 
@@ -46,17 +55,17 @@ class _Tools:
         return list(dict.fromkeys(posixpath.dirname(tool) for tool in found if tool))
 
 
-def _wrapper_argv(
-    request: ExecRequest, nonce: str, marker: str, tools: _Tools, run_as: str | None
+def wrapped_argv(
+    request: ExecRequest, nonce: str, marker: str, tools: Tools, run_as: str | None
 ) -> list[str]:
     """The argv that runs ``request`` under the one exec wrapper (``runtimes/scripts/exec.sh``):
     ``wait`` mode (the command in a session of its own, the wrapper waits), ``runuser`` for
     ``user=``, the tools from where setup found them, the sandbox's marker in the env."""
-    marked = dataclasses.replace(request, env={**request.env, _MARKER_VAR: marker})
+    marked = dataclasses.replace(request, env={**request.env, MARKER_VAR: marker})
     return wrapper_argv(marked, nonce, mode="wait", user=run_as, switch="runuser", tools=tools.dirs)
 
 
-def _command_line(argv: Sequence[str]) -> bytes:
+def command_line(argv: Sequence[str]) -> bytes:
     """``argv`` as an exec request's command for the login shell, in the bytes the host sees
     (lone surrogates back to the bytes they stand for).
 
@@ -81,14 +90,14 @@ class _Wakeup(threading.Event):
         super().clear()
 
 
-class _AgentTransport(ChannelTransport):
+class AgentTransport(ChannelTransport):
     """The SSH channel the channel agent runs on, for blocking use by the channel's threads."""
 
     def __init__(self, channel: paramiko.Channel) -> None:
         self._channel = channel
 
     def recv(self) -> bytes:
-        return self._channel.recv(_CHUNK)
+        return self._channel.recv(CHUNK)
 
     def send(self, data: bytes) -> None:
         self._channel.sendall(data)
@@ -102,16 +111,16 @@ class _AgentTransport(ChannelTransport):
         return self._channel.recv_stderr(4096).decode("utf-8", "replace").strip()[-500:]
 
 
-def _agent_command_line(marker: str, interpreter: str | None = None) -> str:
+def agent_command_line(marker: str, interpreter: str | None = None) -> str:
     """The agent's command for the login shell; the marker lets close() find it. Later
     starts run the interpreter pinned at the first one, by absolute path."""
     q = shlex.quote
     if interpreter is not None:
-        return f"export {_MARKER_VAR}={q(marker)}; exec {q(interpreter)} -I -S -B -c {q(BOOTSTRAP)}"
-    return f"export {_MARKER_VAR}={q(marker)}; exec sh -c {q(PROBE)} sh {q(BOOTSTRAP)}"
+        return f"export {MARKER_VAR}={q(marker)}; exec {q(interpreter)} -I -S -B -c {q(BOOTSTRAP)}"
+    return f"export {MARKER_VAR}={q(marker)}; exec sh -c {q(PROBE)} sh {q(BOOTSTRAP)}"
 
 
-class _RemoteCommand:
+class RemoteCommand:
     """One exec channel. One pump thread reads both streams; the wrapper's report line is
     taken out of stderr by :attr:`reader` (``reader.preamble``: a login shell's noise before
     it; ``reader.held``: what came when the stream ended without one)."""
@@ -145,8 +154,6 @@ class _RemoteCommand:
         Stops early when the sink refuses more output, or (``header_only``) once the
         header is in.
         """
-        import paramiko
-
         self.started = True
         channel = self.channel
         wake = _Wakeup()
@@ -159,14 +166,14 @@ class _RemoteCommand:
                 progressed = False
                 if channel.recv_stderr_ready():
                     progressed = True
-                    data = channel.recv_stderr(_CHUNK)
+                    data = channel.recv_stderr(CHUNK)
                     if not self.header_seen.is_set():
                         data = self._take_header(data)
                     if data and not header_only and not self._deliver("stderr", data):
                         return
                 if channel.recv_ready():
                     progressed = True
-                    data = channel.recv(_CHUNK)
+                    data = channel.recv(CHUNK)
                     if data and not header_only and not self._deliver("stdout", data):
                         return
                 if progressed:
@@ -183,40 +190,34 @@ class _RemoteCommand:
                         self._exited(channel.recv_exit_status())
                 # The exit-status message sets no buffer event: look again soon for it.
                 wake.wait(1.0 if self._exit_told else _EXIT_LOOK)
-        except (OSError, EOFError, paramiko.SSHException) as exc:
+        except paramiko_failures() as exc:
             self.failure = exc
         finally:
             self.header_seen.set()
             self.done.set()
 
     def send_stdin(self, data: bytes) -> None:
-        import paramiko
-
         try:
             view = memoryview(data)
-            for offset in range(0, len(view), _CHUNK):
+            for offset in range(0, len(view), CHUNK):
                 # paramiko's stub says bytes; any buffer works, and a view slices in O(1)
                 # (sendall re-slices what it is given: a big bytes object is quadratic).
-                self.channel.sendall(view[offset : offset + _CHUNK])  # type: ignore[arg-type]
+                self.channel.sendall(view[offset : offset + CHUNK])  # type: ignore[arg-type]
             self.channel.shutdown_write()
-        except (OSError, EOFError, paramiko.SSHException):
+        except paramiko_failures():
             pass  # the command exited (or was killed) without reading all of its stdin
 
     def send_chunk(self, data: bytes) -> bool:
         """Send one chunk of an incremental stdin; ``False`` once the command no longer
         reads it (it exited, was killed, or closed its stdin)."""
-        import paramiko
-
         try:
             self.channel.sendall(data)
-        except (OSError, EOFError, paramiko.SSHException):
+        except paramiko_failures():
             return False
         return True
 
     def close_stdin(self) -> None:
-        import paramiko
-
-        with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+        with contextlib.suppress(*paramiko_failures()):
             self.channel.shutdown_write()
 
     def _take_header(self, data: bytes) -> bytes:
@@ -228,11 +229,69 @@ class _RemoteCommand:
         return rest
 
 
-def _start_command(
+def limit_options(config: SSHConfig) -> list[str]:
+    """``prlimit`` options for the config's limits (soft and hard alike, so a command cannot
+    raise them again): ``memory`` as address space in bytes, ``pids_limit`` as processes of
+    the user."""
+    options = []
+    if config.memory is not None:
+        options.append(f"--as={config.memory * MIB}")
+    if config.pids_limit is not None:
+        options.append(f"--nproc={config.pids_limit}")
+    return options
+
+
+def limits_prefix(config: SSHConfig, prlimit: str | None, where: str) -> list[str]:
+    """The argv prefix that runs a command under the config's limits ([] without any).
+
+    Raises:
+        ProvisioningError: limits are set and the host has no ``prlimit``.
+    """
+    options = limit_options(config)
+    if not options:
+        return []
+    if prlimit is None:
+        raise ProvisioningError(
+            f"{where}: memory/pids_limit are set with prlimit, which the host does not have: "
+            "install util-linux there or drop the limits"
+        )
+    return [prlimit, *options, "--"]
+
+
+async def run_streams(
+    remote: RemoteCommand,
+    stdin: StdinSource | None,
+    sink: OutputSink,
+    limiter: anyio.CapacityLimiter | None,
+) -> None:
+    """Feed the command its stdin and pump both output streams into ``sink`` until they end
+    (each blocking step on a worker thread under ``limiter``, abandoned on cancellation)."""
+
+    async def in_thread(fn: Callable[..., None], *args: Any) -> None:
+        await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True, limiter=limiter)
+
+    async def send_chunk(data: bytes) -> bool:
+        return await anyio.to_thread.run_sync(
+            remote.send_chunk, data, abandon_on_cancel=True, limiter=limiter
+        )
+
+    async with anyio.create_task_group() as tg:
+        if isinstance(stdin, bytes):
+            if stdin:
+                tg.start_soon(in_thread, remote.send_stdin, stdin)
+        elif stdin is not None:
+            close = partial(in_thread, remote.close_stdin)
+            tg.start_soon(partial(feed_stdin, stdin, sink, send_chunk, close, size=CHUNK))
+        await in_thread(remote.pump)
+        if stdin is not None and not isinstance(stdin, bytes):
+            tg.cancel_scope.cancel()  # the command ended: the iterable is not pulled on
+
+
+def start_command(
     channel: paramiko.Channel, command: bytes, close_stdin: bool, timeout: float
 ) -> None:
     try:
-        with _answer_within(channel, timeout):
+        with answer_within(channel, timeout):
             channel.exec_command(command)
         if close_stdin:
             channel.shutdown_write()
@@ -245,7 +304,7 @@ _EXIT_LOOK = 0.05
 """Seconds between looks for the exit-status message while the output is still open."""
 
 
-def _sink_exited(sink: OutputSink) -> Callable[[int], None]:
+def sink_exited(sink: OutputSink) -> Callable[[int], None]:
     """Tell the sink of the exit on the event loop thread."""
 
     def exited(code: int) -> None:
@@ -255,7 +314,7 @@ def _sink_exited(sink: OutputSink) -> Callable[[int], None]:
     return exited
 
 
-def _sink_feeder(sink: OutputSink) -> Callable[[Stream, bytes], bool]:
+def sink_feeder(sink: OutputSink) -> Callable[[Stream, bytes], bool]:
     """Feed the sink on the event loop thread (it may cancel the exec's scope)."""
 
     def feed(stream: Stream, data: bytes) -> bool:

@@ -7,10 +7,9 @@ import json
 import logging
 import posixpath
 import threading
-from collections.abc import Callable, Mapping
-from functools import partial
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -34,39 +33,40 @@ from ..errors import (
     cannot_run_as,
 )
 from ..models import ExecRequest, OutputSink, SandboxInfo
-from ..resources import MIB
 from ..routes import HostRoute, RouteKind
 from ..snapshot import SandboxSnapshot, SnapshotNotFoundError, snapshot_from_labels
-from ..stdin_feed import feed_stdin
 from ..wrapper import check_argv_size, new_nonce, spool_argv
-from .client import _CHUNK, _Connection
+from .client import Connection
 from .config import SSHConfig
-from .connected import _ConnectedRuntime
+from .connected import ConnectedRuntime
 from .control import (
-    _kill_script,
-    _orphan_kill_script,
-    _remove_script,
-    _run_control,
-    _setup_script,
-    _snapshot_script,
     destroy_host_sandbox,
     destroy_host_snapshot,
+    kill_script,
     list_host_sandboxes,
     list_host_snapshots,
+    orphan_kill_script,
+    remove_script,
+    run_control,
+    setup_script,
+    snapshot_script,
     valid_snapshot_dir,
 )
-from .files import _is_dir, _sftp_exists, _sftp_read, _sftp_read_or_none, _sftp_write
+from .files import is_dir, sftp_exists, sftp_read, sftp_read_or_none, sftp_write
 from .process import (
-    _MARKER_VAR,
-    _agent_command_line,
-    _AgentTransport,
-    _command_line,
-    _RemoteCommand,
-    _sink_exited,
-    _sink_feeder,
-    _start_command,
-    _Tools,
-    _wrapper_argv,
+    MARKER_VAR,
+    AgentTransport,
+    RemoteCommand,
+    Tools,
+    agent_command_line,
+    command_line,
+    limit_options,
+    limits_prefix,
+    run_streams,
+    sink_exited,
+    sink_feeder,
+    start_command,
+    wrapped_argv,
 )
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ answer must not hold a timed-out exec for ``io_timeout``. A missed kill is retri
 the next command."""
 
 
-class SSHRuntime(_ConnectedRuntime):
+class SSHRuntime(ConnectedRuntime):
     """A private directory on a remote host over SSH (paramiko). Isolation is the remote user's."""
 
     name = "ssh"
@@ -99,7 +99,7 @@ class SSHRuntime(_ConnectedRuntime):
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
         self._dir: str | None = None
-        self._tools: _Tools | None = None
+        self._tools: Tools | None = None
         self._limits: list[str] = []
         self._owns_workdir = True
         self._exec_slots: anyio.Semaphore | None = None
@@ -120,7 +120,7 @@ class SSHRuntime(_ConnectedRuntime):
         they are set per command on the plain path (the agent's own threads and address space
         would count against them)."""
         wanted = self.config.channel and self.config.max_channels >= 5
-        return wanted and not _limit_options(self.config)
+        return wanted and not limit_options(self.config)
 
     def _channel_stall_timeout(self) -> float:
         return self.config.io_timeout
@@ -131,7 +131,7 @@ class SSHRuntime(_ConnectedRuntime):
     def _channel_env(self, request: ExecRequest) -> Mapping[str, str]:
         """The sandbox's marker, which the plain path's wrapper sets itself."""
         assert self._marker is not None
-        return {_MARKER_VAR: self._marker}
+        return {MARKER_VAR: self._marker}
 
     def _sweep_argv(self) -> list[str]:
         """Processes carrying the runtime's mark or working in a workdir of the sandbox's
@@ -177,7 +177,7 @@ class SSHRuntime(_ConnectedRuntime):
             "workdir": self.config.workdir,
         }
         snap = self._snapshot_source
-        script = _setup_script(
+        script = setup_script(
             self.config.workdir,
             snap.id if snap is not None else None,
             passage=self._inherits_policy_account(),
@@ -198,8 +198,8 @@ class SSHRuntime(_ConnectedRuntime):
                 f"{self.describe()}: cannot create the sandbox directory: {detail}"
             )
         self._dir, workdir, setsid, env, runuser, prlimit, _ = lines
-        self._tools = _Tools(setsid=setsid, env=env, runuser=runuser or None)
-        self._limits = _limits_prefix(self.config, prlimit or None, self.describe())
+        self._tools = Tools(setsid=setsid, env=env, runuser=runuser or None)
+        self._limits = limits_prefix(self.config, prlimit or None, self.describe())
         self._owns_workdir = self.config.workdir is None
         log.debug("opened %s (workdir %s)", self.describe(), workdir)
         await self._start_channel()
@@ -228,7 +228,7 @@ class SSHRuntime(_ConnectedRuntime):
                 not a directory any more.
         """
         code, out, err = await self._control(
-            _snapshot_script(self.workdir),
+            snapshot_script(self.workdir),
             json.dumps({"labels": labels}).encode(),
             timeout=self.config.snapshot_timeout,
         )
@@ -279,7 +279,7 @@ class SSHRuntime(_ConnectedRuntime):
 
     async def _remove_remote(self) -> None:
         assert self._dir is not None
-        script = _remove_script(self._dir, self._marker, f"{self._dir}/work")
+        script = remove_script(self._dir, self._marker, f"{self._dir}/work")
         try:
             code, _, err = await self._control(script)
         except (SandboxUnavailableError, ProvisioningError) as exc:
@@ -306,8 +306,8 @@ class SSHRuntime(_ConnectedRuntime):
             if self._dir is not None and not self._keep:
                 if conn is None or not conn.usable():
                     conn = self._open_connection()
-                script = _remove_script(self._dir, self._marker, f"{self._dir}/work")
-                _run_control(conn.transport, script, None, self.config.io_timeout)
+                script = remove_script(self._dir, self._marker, f"{self._dir}/work")
+                run_control(conn.transport, script, None, self.config.io_timeout)
         finally:
             if conn is not None:
                 conn.close()
@@ -332,7 +332,7 @@ class SSHRuntime(_ConnectedRuntime):
         assert self._dir is not None
         directory = self._dir
         try:
-            return await self._retrying(self._sftp_call, _is_dir, directory) is True
+            return await self._retrying(self._sftp_call, is_dir, directory) is True
         except SandboxUnavailableError:
             return False
 
@@ -383,29 +383,20 @@ class SSHRuntime(_ConnectedRuntime):
         again through SFTP (the server's file access, no shell) and hashed."""
 
         async def read(path: str) -> bytes | None:
-            return await self._retrying(self._sftp_call, _sftp_read_or_none, path)
+            return await self._retrying(self._sftp_call, sftp_read_or_none, path)
 
         return await verify_by_reading(read, digests)
 
     async def _open_agent(self, interpreter: str | None = None) -> ChannelTransport:
         """Start the channel agent on a channel of its own (stdin attached)."""
-        import paramiko
-
         assert self._marker is not None
         conn, channel = await self._retrying(self._open_channel)
-        try:
-            await self._thread(
-                _start_command,
-                channel,
-                text_bytes(_agent_command_line(self._marker, interpreter), "the agent's command"),
-                False,
-                self.config.io_timeout,
-            )
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            if self._connection_failed(conn, exc):
-                raise self._broken(conn, "starting the channel agent", exc) from exc
-            raise SandboxError(f"{self.describe()}: the server refused the agent: {exc}") from exc
-        return _AgentTransport(channel)
+        command = text_bytes(agent_command_line(self._marker, interpreter), "the agent's command")
+        with self._paramiko_calls(
+            conn, "starting the channel agent", "the server refused the agent"
+        ):
+            await self._thread(start_command, channel, command, False, self.config.io_timeout)
+        return AgentTransport(channel)
 
     async def _kill_group_plainly(self, pgid: int) -> None:
         """The channel's fallback kill, when its agent died holding a process group."""
@@ -413,7 +404,7 @@ class SSHRuntime(_ConnectedRuntime):
         if conn is None or not conn.usable():
             return  # the connection went: the agent saw its stdin end and killed the group
         try:
-            await self._control(_kill_script([pgid]), timeout=self._kill_wait)
+            await self._control(kill_script([pgid]), timeout=self._kill_wait)
         except SandboxError as exc:
             log.warning("%s: could not kill process group %s: %s", self.describe(), pgid, exc)
             self._remember_orphan(pgid)
@@ -423,17 +414,17 @@ class SSHRuntime(_ConnectedRuntime):
         assert self._exec_slots is not None and self._marker is not None and self._dir is not None
         assert self._tools is not None
         nonce = new_nonce()
-        argv = _wrapper_argv(request, nonce, self._marker, self._tools, run_as)
+        argv = wrapped_argv(request, nonce, self._marker, self._tools, run_as)
         # The limits are set on the wrapper: it, runuser and the command inherit them.
-        command = _command_line([*self._limits, *argv])
+        command = command_line([*self._limits, *argv])
         if len(command) > _INLINE_SCRIPT_LIMIT:
             spool = f"{self._dir}/x/{nonce}.args"  # the wrapper removes it once read
             short, spooled = spool_argv(argv, spool)
-            await self._retrying(self._sftp_call, _sftp_write, spool, spooled)
-            command = _command_line([*self._limits, *short])
+            await self._retrying(self._sftp_call, sftp_write, spool, spooled)
+            command = command_line([*self._limits, *short])
         async with self._exec_slots:
             conn, channel = await self._retrying(self._open_channel)
-            remote = _RemoteCommand(channel, nonce, _sink_feeder(sink), _sink_exited(sink))
+            remote = RemoteCommand(channel, nonce, sink_feeder(sink), sink_exited(sink))
             try:
                 # Not retried from here on: the command may have started. Shielded so a
                 # cancellation finds the command either not sent or sent and abortable.
@@ -451,43 +442,18 @@ class SSHRuntime(_ConnectedRuntime):
                     await anyio.to_thread.run_sync(channel.close)
 
     async def _send_command(
-        self, conn: _Connection, channel: paramiko.Channel, command: bytes, request: ExecRequest
+        self, conn: Connection, channel: paramiko.Channel, command: bytes, request: ExecRequest
     ) -> None:
-        import paramiko
-
-        try:
+        what = f"exec of {request.argv[0]!r}"
+        with self._paramiko_calls(conn, what, "the server refused the command"):
             await self._thread(
-                _start_command, channel, command, not request.stdin, self.config.io_timeout
+                start_command, channel, command, not request.stdin, self.config.io_timeout
             )
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            if self._connection_failed(conn, exc):
-                raise self._broken(conn, f"exec of {request.argv[0]!r}", exc) from exc
-            raise SandboxError(f"{self.describe()}: the server refused the command: {exc}") from exc
 
     async def _run_remote(
-        self, conn: _Connection, remote: _RemoteCommand, request: ExecRequest, sink: OutputSink
+        self, conn: Connection, remote: RemoteCommand, request: ExecRequest, sink: OutputSink
     ) -> int:
-        async def in_thread(fn: Callable[..., None], *args: Any) -> None:
-            await anyio.to_thread.run_sync(
-                fn, *args, abandon_on_cancel=True, limiter=self._stream_limiter
-            )
-
-        async def send_chunk(data: bytes) -> bool:
-            return await anyio.to_thread.run_sync(
-                remote.send_chunk, data, abandon_on_cancel=True, limiter=self._stream_limiter
-            )
-
-        stdin = request.stdin
-        async with anyio.create_task_group() as tg:
-            if isinstance(stdin, bytes):
-                if stdin:
-                    tg.start_soon(in_thread, remote.send_stdin, stdin)
-            elif stdin is not None:
-                close = partial(in_thread, remote.close_stdin)
-                tg.start_soon(partial(feed_stdin, stdin, sink, send_chunk, close, size=_CHUNK))
-            await in_thread(remote.pump)
-            if stdin is not None and not isinstance(stdin, bytes):
-                tg.cancel_scope.cancel()  # the command ended: the iterable is not pulled on
+        await run_streams(remote, request.stdin, sink, self._stream_limiter)
         report = remote.reader.report
         if report is not None and not report.ok:
             raise report.error(request, where=self.describe())
@@ -517,7 +483,7 @@ class SSHRuntime(_ConnectedRuntime):
             log.debug("%s: login shell said on stderr: %r", self.describe(), noise)
         return remote.exit_status
 
-    async def _abort(self, remote: _RemoteCommand, *, kill: bool = True) -> None:
+    async def _abort(self, remote: RemoteCommand, *, kill: bool = True) -> None:
         """Kill the command's process group (shielded by the caller; not without ``kill``),
         then drop the channel."""
         if remote.finished:
@@ -530,7 +496,7 @@ class SSHRuntime(_ConnectedRuntime):
             await anyio.to_thread.run_sync(remote.header_seen.wait, _HEADER_WAIT)
         if remote.pgid is not None and kill:
             try:
-                await self._control(_kill_script([remote.pgid]), timeout=self._kill_wait)
+                await self._control(kill_script([remote.pgid]), timeout=self._kill_wait)
             except SandboxError as exc:
                 log.warning(
                     "%s: could not kill process group %s (retried before the next command): %s",
@@ -557,18 +523,18 @@ class SSHRuntime(_ConnectedRuntime):
             SandboxError: the kill could not be delivered.
         """
         assert self._marker is not None
-        await self._control(_orphan_kill_script(pgids, self._marker), timeout=self._kill_wait)
+        await self._control(orphan_kill_script(pgids, self._marker), timeout=self._kill_wait)
 
     # ------------------------------------------------------------------ files
 
     async def _read(self, path: str, limit: int) -> bytes:
-        return await self._retrying(self._sftp_call, _sftp_read, path, limit)
+        return await self._retrying(self._sftp_call, sftp_read, path, limit)
 
     async def _write(self, path: str, data: bytes) -> None:
-        await self._sftp_call(_sftp_write, path, data)
+        await self._sftp_call(sftp_write, path, data)
 
     async def _exists(self, path: str) -> bool:
-        return await self._retrying(self._sftp_call, _sftp_exists, path)
+        return await self._retrying(self._sftp_call, sftp_exists, path)
 
     async def _download(
         self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
@@ -623,35 +589,6 @@ class SSHRuntime(_ConnectedRuntime):
         if not isinstance(config, SSHConfig):
             raise SandboxInvalidArgumentError("destroying an ssh sandbox needs its SSHConfig")
         await destroy_host_sandbox(info, config)
-
-
-def _limit_options(config: SSHConfig) -> list[str]:
-    """``prlimit`` options for the config's limits (soft and hard alike, so a command cannot
-    raise them again): ``memory`` as address space in bytes, ``pids_limit`` as processes of
-    the user."""
-    options = []
-    if config.memory is not None:
-        options.append(f"--as={config.memory * MIB}")
-    if config.pids_limit is not None:
-        options.append(f"--nproc={config.pids_limit}")
-    return options
-
-
-def _limits_prefix(config: SSHConfig, prlimit: str | None, where: str) -> list[str]:
-    """The argv prefix that runs a command under the config's limits ([] without any).
-
-    Raises:
-        ProvisioningError: limits are set and the host has no ``prlimit``.
-    """
-    options = _limit_options(config)
-    if not options:
-        return []
-    if prlimit is None:
-        raise ProvisioningError(
-            f"{where}: memory/pids_limit are set with prlimit, which the host does not have: "
-            "install util-linux there or drop the limits"
-        )
-    return [prlimit, *options, "--"]
 
 
 async def _never() -> bool:

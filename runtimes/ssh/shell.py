@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import SandboxFileNotFoundError, SandboxInvalidArgumentError
 from ..models import SandboxInfo
 from .config import SSHConfig
-from .control import _valid_sandbox_dir
+from .control import valid_sandbox_dir
 
 _PINNED_ALIAS = "vf-sandbox-pinned-host"
 
@@ -60,7 +60,7 @@ def ssh_shell_argv(info: SandboxInfo, cfg: SSHConfig, *, tty: bool) -> list[str]
         SandboxInvalidArgumentError: ``info`` is not an ssh sandbox directory, or the config
             authenticates only with ``key_env``.
     """
-    if not _valid_sandbox_dir(info.id):
+    if not valid_sandbox_dir(info.id):
         raise SandboxInvalidArgumentError(f"not an ssh sandbox directory: {info.id!r}")
     workdir = cfg.workdir or f"{info.id}/work"
     remote = f'cd -- {shlex.quote(workdir)} || exit 1; exec "${{SHELL:-/bin/sh}}"'

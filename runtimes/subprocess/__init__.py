@@ -10,7 +10,7 @@ contain untrusted code.
 
 A process that calls ``setsid`` itself leaves its group and escapes the tree kill.
 ``close()``, ``stop_processes()`` and the ``cleanup`` sweep find what is left with a
-freeze-then-kill sweep of ``/proc`` (see :func:`_sweep`): every process started after the
+freeze-then-kill sweep of ``/proc`` (see :func:`sweep_target`): every process started after the
 sandbox that carries its environment mark, belongs to a session one of its commands
 started, or has its cwd, root, executable, an open file or a mapping under the sandbox's
 directories is stopped (SIGSTOP, through a pidfd), the scan repeats until a pass finds

@@ -10,8 +10,8 @@ from pydantic import Field, model_validator
 
 from ..config import RuntimeConfig
 
-_META = "meta.json"
-_READ_CHUNK = 64 * 1024
+META_FILE = "meta.json"
+READ_CHUNK = 64 * 1024
 
 
 def default_root() -> str:

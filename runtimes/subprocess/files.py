@@ -44,7 +44,7 @@ def _open_regular(path: str, flags: int) -> int:
     return fd
 
 
-def _read_file(path: str, limit: int) -> bytes:
+def read_file(path: str, limit: int) -> bytes:
     from ..errors import OutputLimitExceededError
 
     try:
@@ -59,7 +59,7 @@ def _read_file(path: str, limit: int) -> bytes:
         raise error_for_errno(exc.errno, path, None) from None
 
 
-def _write_file(path: str, data: bytes) -> None:
+def write_file(path: str, data: bytes) -> None:
     try:
         if os.path.isdir(path):
             raise SandboxIsADirectoryError(path)
@@ -76,7 +76,7 @@ def _write_file(path: str, data: bytes) -> None:
         raise error_for_errno(exc.errno, path, None) from None
 
 
-def _remove_path(path: str) -> None:
+def remove_path(path: str) -> None:
     try:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
@@ -86,7 +86,7 @@ def _remove_path(path: str) -> None:
         raise error_for_errno(exc.errno, path, None) from None
 
 
-def _copy_tree(source: Path, target: Path, shown: str) -> None:
+def copy_local_tree(source: Path, target: Path, shown: str) -> None:
     try:
         if source.is_dir():
             shutil.copytree(source, target, dirs_exist_ok=True, symlinks=True)
@@ -103,14 +103,14 @@ def _copy_tree(source: Path, target: Path, shown: str) -> None:
         raise error_for_errno(exc.errno, shown, None) from None
 
 
-def _download_tree(remote: str, local: Path, limit: int) -> None:
+def download_tree(remote: str, local: Path, limit: int) -> None:
     if not os.path.lexists(remote):
         raise SandboxFileNotFoundError(remote)
     try:
         if os.path.isdir(remote):
             shutil.copytree(remote, local, dirs_exist_ok=True, symlinks=True)
         else:
-            data = _read_file(remote, limit)
+            data = read_file(remote, limit)
             local.parent.mkdir(parents=True, exist_ok=True)
             local.write_bytes(data)
     except OSError as exc:
@@ -154,7 +154,7 @@ class CreatedDir:
     def remove(self) -> None:
         """Remove the directory and everything in it, never following a link. Never
         raises; a directory or parent that is not the one created is left alone."""
-        _remove_sandbox_dir(self.path, self.identity, parent_identity=self.parent_identity)
+        remove_sandbox_dir(self.path, self.identity, parent_identity=self.parent_identity)
 
 
 def _int_pair(raw: object) -> tuple[int, int] | None:
@@ -163,7 +163,7 @@ def _int_pair(raw: object) -> tuple[int, int] | None:
     return None
 
 
-def _prepare_workdir(workdir: Path, *, create: bool) -> CreatedDir | None:
+def prepare_workdir(workdir: Path, *, create: bool) -> CreatedDir | None:
     """Check that a user's absolute ``workdir`` is a directory, or create it and its missing
     parents with ``create``; return the topmost directory created (None: none was).
 
@@ -200,7 +200,7 @@ def _prepare_workdir(workdir: Path, *, create: bool) -> CreatedDir | None:
 # ---------------------------------------------------------------------- removal
 
 
-def _remove_sandbox_dir(
+def remove_sandbox_dir(
     directory: Path,
     identity: tuple[int, int] | None,
     *,

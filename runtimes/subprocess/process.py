@@ -19,18 +19,18 @@ from ..errors import (
 from ..models import ExecRequest, OutputSink, Stream
 from ..stdin_feed import feed_stdin, run_beside
 from ..wrapper import report_error
-from .config import _READ_CHUNK
-from .sweep import _start_ticks
+from .config import READ_CHUNK
+from .sweep import start_ticks
 
 
-class _ExitWatch:
+class ExitWatch:
     """Waits for a child's exit: readiness of a pidfd (Linux >= 5.3), else a worker thread.
     Kills the child's process group only while it is still the child's (:meth:`kill_group`)."""
 
     def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self._process = process
         self.pidfd: int | None = None
-        self.leader_start = _start_ticks(process.pid)
+        self.leader_start = start_ticks(process.pid)
         """When the child (the leader of its process group) started, in clock ticks."""
 
     def kill_group(self) -> None:
@@ -61,13 +61,13 @@ class _ExitWatch:
             self.pidfd = None
 
 
-_EPOLL = hasattr(select, "epoll")
+HAS_EPOLL = hasattr(select, "epoll")
 _EXIT_SPINS = 64
 """Polls of the exit status after the pipes closed before waiting on the event loop: the
 kernel reports the exit microseconds after it closed the pipes."""
 
 
-class _EpollPump:
+class EpollPump:
     """Feeds stdin, drains stdout and stderr and waits for the exit in ONE task (Linux).
 
     The pipes (non-blocking) share an epoll instance, and the event loop watches that
@@ -81,7 +81,7 @@ class _EpollPump:
         process: subprocess.Popen[bytes],
         stdin: bytes | None,
         sink: OutputSink,
-        exit_watch: _ExitWatch,
+        exit_watch: ExitWatch,
     ) -> None:
         assert process.stdout is not None and process.stderr is not None
         self._process = process
@@ -136,7 +136,7 @@ class _EpollPump:
 
     def _read(self, fd: int) -> None:
         try:
-            data = os.read(fd, _READ_CHUNK)
+            data = os.read(fd, READ_CHUNK)
         except BlockingIOError:
             return
         if not data:
@@ -151,7 +151,7 @@ class _EpollPump:
     def _feed(self) -> None:
         assert self._stdin_fd is not None and self._process.stdin is not None
         try:
-            written = os.write(self._stdin_fd, self._pending[:_READ_CHUNK])
+            written = os.write(self._stdin_fd, self._pending[:READ_CHUNK])
             self._pending = self._pending[written:]
         except BlockingIOError:
             return
@@ -164,14 +164,14 @@ class _EpollPump:
                 self._process.stdin.close()
 
 
-async def _feed_stdin(pipe: IO[bytes], data: bytes | None) -> None:
+async def feed_pipe(pipe: IO[bytes], data: bytes | None) -> None:
     fd = pipe.fileno()
     os.set_blocking(fd, False)
     view = memoryview(data or b"")
     try:
         while view:
             try:
-                view = view[os.write(fd, view[:_READ_CHUNK]) :]
+                view = view[os.write(fd, view[:READ_CHUNK]) :]
             except BlockingIOError:
                 await anyio.wait_writable(fd)
     except (BrokenPipeError, ConnectionResetError):
@@ -181,11 +181,11 @@ async def _feed_stdin(pipe: IO[bytes], data: bytes | None) -> None:
             pipe.close()
 
 
-async def _pump_with_stdin_source(
+async def pump_with_stdin_source(
     process: subprocess.Popen[bytes],
     source: AsyncIterable[bytes],
     sink: OutputSink,
-    exit_watch: _ExitWatch,
+    exit_watch: ExitWatch,
 ) -> int:
     """Drain the output and wait for the exit while ``source`` feeds stdin chunk by chunk;
     the exit ends the feeding (the source is left unfinished)."""
@@ -195,9 +195,9 @@ async def _pump_with_stdin_source(
 
     async def outputs_then_exit() -> int:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_drain, stderr, sink, "stderr")
+            tg.start_soon(drain_fd, stderr, sink, "stderr")
             tg.start_soon(report_exit, exit_watch, sink)
-            await _drain(stdout, sink, "stdout")
+            await drain_fd(stdout, sink, "stdout")
         return await exit_watch.wait()
 
     return await run_beside(outputs_then_exit, lambda: _feed_stdin_source(stdin, source, sink))
@@ -225,14 +225,14 @@ async def _feed_stdin_source(
         with contextlib.suppress(OSError):
             pipe.close()
 
-    await feed_stdin(source, sink, write, close, size=_READ_CHUNK)
+    await feed_stdin(source, sink, write, close, size=READ_CHUNK)
 
 
-async def _drain(fd: int, sink: OutputSink, name: Stream) -> None:
+async def drain_fd(fd: int, sink: OutputSink, name: Stream) -> None:
     os.set_blocking(fd, False)
     while True:
         try:
-            data = os.read(fd, _READ_CHUNK)
+            data = os.read(fd, READ_CHUNK)
         except BlockingIOError:
             await anyio.wait_readable(fd)
             continue
@@ -240,7 +240,7 @@ async def _drain(fd: int, sink: OutputSink, name: Stream) -> None:
             return
 
 
-async def report_exit(exit_watch: _ExitWatch, sink: OutputSink) -> None:
+async def report_exit(exit_watch: ExitWatch, sink: OutputSink) -> None:
     """Tell the sink the command exited as soon as it does (its pipes may stay open)."""
     code = await exit_watch.wait()
     sink.exited(128 - code if code < 0 else code)
@@ -255,14 +255,14 @@ def kill_group(pgid: int, leader_start: int) -> None:
     of the same number: a kill by number would end an unrelated command (seen in the soak
     under load, a fresh command dying with 137). A living leader, its zombie, or any member
     still in the group keeps the number reserved, so the check holds until the kill."""
-    now = _start_ticks(pgid)
+    now = start_ticks(pgid)
     if now != -1 and now != leader_start:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _spawn_error(exc: OSError, request: ExecRequest) -> SandboxError:
+def spawn_error(exc: OSError, request: ExecRequest) -> SandboxError:
     """The typed error for a command ``Popen`` could not start: the child failed to enter
     ``cwd`` (the error names it) or to exec the program."""
     what = "cwd" if exc.filename == request.cwd else "prog"

@@ -27,37 +27,37 @@ from ..errors import (
 from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..routes import HostRoute, RouteKind
 from ..snapshot import SandboxSnapshot, snapshot_from_labels
-from .config import _META, SubprocessConfig, default_root
+from .config import META_FILE, SubprocessConfig, default_root
 from .files import (
     CreatedDir,
-    _copy_tree,
-    _download_tree,
-    _prepare_workdir,
-    _read_file,
-    _remove_path,
-    _remove_sandbox_dir,
-    _write_file,
+    copy_local_tree,
+    download_tree,
+    prepare_workdir,
+    read_file,
+    remove_path,
+    remove_sandbox_dir,
+    write_file,
 )
 from .process import (
-    _EPOLL,
-    _drain,
-    _EpollPump,
-    _ExitWatch,
-    _feed_stdin,
-    _pump_with_stdin_source,
-    _spawn_error,
+    HAS_EPOLL,
+    EpollPump,
+    ExitWatch,
+    drain_fd,
+    feed_pipe,
     kill_group,
+    pump_with_stdin_source,
     report_exit,
+    spawn_error,
 )
 from .snapshots import copy_snapshot_into, destroy_snapshot_dir, scan_snapshots, take_snapshot
 from .sweep import (
-    _SINCE_MARGIN_TICKS,
-    _boot_ticks,
-    _destroy_dir,
-    _real_dirs,
-    _scan_root,
-    _sweep,
-    _Target,
+    SINCE_MARGIN_TICKS,
+    SweepTarget,
+    boot_ticks,
+    destroy_dir,
+    real_dirs,
+    scan_root,
+    sweep_target,
 )
 
 log = logging.getLogger("runtimes.subprocess")
@@ -82,7 +82,7 @@ class SubprocessRuntime(Runtime):
         self._dir: Path | None = None
         self._owns_workdir = True
         self._sessions: dict[int, int] = {}  # session id (its leader's pid) -> leader start
-        self._target: _Target | None = None
+        self._target: SweepTarget | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of self._dir
         self._created: CreatedDir | None = None  # what create_workdir made, removed on close
 
@@ -101,7 +101,7 @@ class SubprocessRuntime(Runtime):
         self._owns_workdir = False
         workdir = Path(self.config.workdir).absolute()
         try:
-            self._created = _prepare_workdir(workdir, create=self.config.create_workdir)
+            self._created = prepare_workdir(workdir, create=self.config.create_workdir)
         except OSError as exc:
             if isinstance(exc, SandboxError):
                 raise
@@ -118,7 +118,7 @@ class SubprocessRuntime(Runtime):
         root = self._root()
         try:
             root.mkdir(parents=True, exist_ok=True)
-            since = _boot_ticks() - _SINCE_MARGIN_TICKS
+            since = boot_ticks() - SINCE_MARGIN_TICKS
             self._dir = Path(tempfile.mkdtemp(prefix="sbx-", dir=root))
             st = os.lstat(self._dir)
             self._identity = (st.st_dev, st.st_ino)
@@ -138,14 +138,14 @@ class SubprocessRuntime(Runtime):
                     meta["created"] = self._created.to_meta()
             # Labelled before anything long (a fork's copy): a holder killed meanwhile
             # leaves a directory that `vf-sandbox cleanup` finds.
-            (self._dir / _META).write_text(json.dumps(meta))
+            (self._dir / META_FILE).write_text(json.dumps(meta))
             if given is None and self._snapshot_source is not None:
                 copy_snapshot_into(self._snapshot_source, workdir)
             elif given is None:
                 workdir.mkdir()
-            self._target = _Target(
+            self._target = SweepTarget(
                 mark=self._mark,
-                dirs=_real_dirs(self._dir, workdir),
+                dirs=real_dirs(self._dir, workdir),
                 sessions=self._sessions,
                 since=since,
             )
@@ -224,7 +224,7 @@ class SubprocessRuntime(Runtime):
             return
         if self._target is not None:
             try:
-                _killed, survivors = _sweep(self._target)
+                _killed, survivors = sweep_target(self._target)
             except OSError as exc:  # /proc unreadable: fall back to the groups we started
                 log.warning("%s: process sweep failed: %s", self.describe(), exc)
                 survivors = []
@@ -238,7 +238,7 @@ class SubprocessRuntime(Runtime):
         if self._created is not None:
             self._created.remove()
         if self._dir is not None:
-            _remove_sandbox_dir(self._dir, self._identity)
+            remove_sandbox_dir(self._dir, self._identity)
 
     def _host_routes(self) -> tuple[RouteKind, ...]:
         return ("loopback",)  # the host's own network namespace
@@ -295,24 +295,24 @@ class SubprocessRuntime(Runtime):
                 user=user,
             )
         except OSError as exc:
-            raise _spawn_error(exc, request) from None
-        exit_watch = _ExitWatch(process)
+            raise spawn_error(exc, request) from None
+        exit_watch = ExitWatch(process)
         self._sessions[process.pid] = exit_watch.leader_start
         sink.pid = process.pid
         assert process.stdout is not None and process.stderr is not None
         try:
             stdin = request.stdin
             if stdin is not None and not isinstance(stdin, bytes):
-                code = await _pump_with_stdin_source(process, stdin, sink, exit_watch)
-            elif _EPOLL:
-                code = await _EpollPump(process, stdin, sink, exit_watch).run()
+                code = await pump_with_stdin_source(process, stdin, sink, exit_watch)
+            elif HAS_EPOLL:
+                code = await EpollPump(process, stdin, sink, exit_watch).run()
             else:
                 async with anyio.create_task_group() as tg:
                     if process.stdin is not None:
-                        tg.start_soon(_feed_stdin, process.stdin, stdin)
-                    tg.start_soon(_drain, process.stderr.fileno(), sink, "stderr")
+                        tg.start_soon(feed_pipe, process.stdin, stdin)
+                    tg.start_soon(drain_fd, process.stderr.fileno(), sink, "stderr")
                     tg.start_soon(report_exit, exit_watch, sink)
-                    await _drain(process.stdout.fileno(), sink, "stdout")
+                    await drain_fd(process.stdout.fileno(), sink, "stdout")
                 code = await exit_watch.wait()
         except BaseException:
             # Timeout, output cap or caller cancellation: the whole group goes, now. Not
@@ -335,10 +335,10 @@ class SubprocessRuntime(Runtime):
     # ------------------------------------------------------------------ files
 
     async def _read(self, path: str, limit: int) -> bytes:
-        return await anyio.to_thread.run_sync(_read_file, path, limit)
+        return await anyio.to_thread.run_sync(read_file, path, limit)
 
     async def _write(self, path: str, data: bytes) -> None:
-        await anyio.to_thread.run_sync(_write_file, path, data)
+        await anyio.to_thread.run_sync(write_file, path, data)
 
     async def _exists(self, path: str) -> bool:
         try:
@@ -352,16 +352,16 @@ class SubprocessRuntime(Runtime):
         return True
 
     async def _remove(self, path: str) -> None:
-        await anyio.to_thread.run_sync(_remove_path, path)
+        await anyio.to_thread.run_sync(remove_path, path)
 
     async def _upload(self, source: Path, remote: str) -> None:
-        await anyio.to_thread.run_sync(_copy_tree, source, Path(remote), remote)
+        await anyio.to_thread.run_sync(copy_local_tree, source, Path(remote), remote)
 
     async def _download(
         self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
     ) -> None:
         # the host's own tree, copied keeping every link as a link (never followed)
-        await anyio.to_thread.run_sync(_download_tree, remote, local, self.config.read_limit)
+        await anyio.to_thread.run_sync(download_tree, remote, local, self.config.read_limit)
 
     async def stop_processes(self) -> int:
         """Kill every process of this sandbox that is still running; return how many.
@@ -383,7 +383,7 @@ class SubprocessRuntime(Runtime):
         assert self._target is not None
         target = self._target
         with self._guard("stop_processes"):
-            killed, survivors = await anyio.to_thread.run_sync(_sweep, target)
+            killed, survivors = await anyio.to_thread.run_sync(sweep_target, target)
         if survivors:
             raise SandboxError(
                 f"{self.describe()}: processes still running after stop_processes(): {survivors}"
@@ -395,7 +395,7 @@ class SubprocessRuntime(Runtime):
     @classmethod
     async def list_sandboxes(cls, config: RuntimeConfig | None = None) -> list[SandboxInfo]:
         root = Path(getattr(config, "root", None) or default_root())
-        return await anyio.to_thread.run_sync(_scan_root, root)
+        return await anyio.to_thread.run_sync(scan_root, root)
 
     @classmethod
     async def shell_argv(
@@ -414,7 +414,7 @@ class SubprocessRuntime(Runtime):
     @classmethod
     async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:
         root = Path(getattr(config, "root", None) or default_root())
-        await anyio.to_thread.run_sync(_destroy_dir, root / info.id)
+        await anyio.to_thread.run_sync(destroy_dir, root / info.id)
 
 
 # ---------------------------------------------------------------------- exec helpers

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SandboxUnavailableError
-from .sweep import _read_meta
+from .sweep import read_meta
 
 _CD_AND_SHELL = 'cd -- "$1" || exit 1; exec "${SHELL:-/bin/sh}"'
 
@@ -17,7 +17,7 @@ def sandbox_workdir(directory: Path) -> Path:
     Raises:
         SandboxUnavailableError: the directory or its workdir is gone.
     """
-    meta = _read_meta(directory)
+    meta = read_meta(directory)
     if not meta:
         raise SandboxUnavailableError(f"subprocess sandbox {directory.name} is gone")
     declared = meta.get("workdir")

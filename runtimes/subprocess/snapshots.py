@@ -22,7 +22,7 @@ from pathlib import Path
 from ..errors import ProvisioningError, SandboxError, SandboxInvalidArgumentError
 from ..snapshot import SandboxSnapshot, SnapshotNotFoundError, snapshot_from_labels
 from . import tree_copy
-from .files import _remove_sandbox_dir
+from .files import remove_sandbox_dir
 
 SNAPSHOT_PREFIX = "snap-"
 SNAPSHOT_META = "snapshot.json"
@@ -68,7 +68,7 @@ def take_snapshot(root: Path, workdir: Path, labels: dict[str, str]) -> Path:
         (directory / SNAPSHOT_META).write_text(json.dumps({"labels": labels}))
         copy_tree(workdir, directory / TREE)
     except BaseException:
-        _remove_sandbox_dir(directory, None)
+        remove_sandbox_dir(directory, None)
         raise
     return directory
 
@@ -157,4 +157,4 @@ def destroy_snapshot_dir(snapshot: SandboxSnapshot) -> None:
         raise SandboxInvalidArgumentError(
             f"{path} holds no snapshot.json of this user's: not removed"
         )
-    _remove_sandbox_dir(path, None)
+    remove_sandbox_dir(path, None)

@@ -15,12 +15,12 @@ from .. import ownership
 from ..models import SandboxInfo
 from ..ownership import proc_stat_fields
 from ..sweep import MARK_VAR
-from .config import _META
-from .files import CreatedDir, _remove_sandbox_dir
+from .config import META_FILE
+from .files import CreatedDir, remove_sandbox_dir
 
 log = logging.getLogger("runtimes.subprocess")
 
-_SINCE_MARGIN_TICKS = 50
+SINCE_MARGIN_TICKS = 50
 """Clock ticks before the sandbox's creation from which a process may belong to it."""
 _SWEEP_SECONDS = 10.0
 """How long the freezing passes may go on before the sweep kills what it has."""
@@ -31,7 +31,7 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _DELETED = " (deleted)"
 
 
-class _Target:
+class SweepTarget:
     """What identifies one sandbox's processes on the host.
 
     ``mark``: the value of ``VF_SANDBOX_RUNTIME`` its commands carry; ``dirs``: its
@@ -65,7 +65,7 @@ class _Stat:
         self.start = start
 
 
-def _boot_ticks() -> int:
+def boot_ticks() -> int:
     with open("/proc/uptime", "rb") as fh:
         return int(float(fh.read().split()[0]) * _CLK_TCK)
 
@@ -82,12 +82,12 @@ def _proc_stat(pid: int) -> _Stat | None:
         return None
 
 
-def _start_ticks(pid: int) -> int:
+def start_ticks(pid: int) -> int:
     st = _proc_stat(pid)
     return st.start if st is not None else -1
 
 
-def _real_dirs(*dirs: Path) -> tuple[str, ...]:
+def real_dirs(*dirs: Path) -> tuple[str, ...]:
     return tuple(dict.fromkeys(os.path.realpath(d) for d in dirs))
 
 
@@ -121,7 +121,7 @@ def _environ_marks(pid: int) -> list[bytes] | None:
     return [item for item in data.split(b"\0") if item.startswith(prefix)]
 
 
-def _located_under(pid: int, target: _Target, own_mnt: str | None) -> bool:
+def _located_under(pid: int, target: SweepTarget, own_mnt: str | None) -> bool:
     """cwd, root, executable, an open file or a mapping under the sandbox's directories.
     Only in this process's mount namespace, where paths mean the same."""
     base = f"/proc/{pid}"
@@ -154,7 +154,7 @@ def _located_under(pid: int, target: _Target, own_mnt: str | None) -> bool:
 _NOT_OURS, _DESCENDANT, _LOCATED = 0, 1, 2
 
 
-def _belongs(pid: int, st: _Stat, target: _Target, own_mnt: str | None) -> int:
+def _belongs(pid: int, st: _Stat, target: SweepTarget, own_mnt: str | None) -> int:
     """``_DESCENDANT``: started by the sandbox (its mark, or a session one of its commands
     started); ``_LOCATED``: cwd, root, executable, open file or mapping in its directories;
     else ``_NOT_OURS``. Processes started before the sandbox, and zombies, are not ours.
@@ -174,7 +174,7 @@ def _same_mnt(pid: int, own_mnt: str | None) -> bool:
     return own_mnt is not None and _readlink(f"/proc/{pid}/ns/mnt") == own_mnt
 
 
-def _descends(pid: int, st: _Stat, target: _Target) -> bool:
+def _descends(pid: int, st: _Stat, target: SweepTarget) -> bool:
     """Started by the sandbox: carries its mark, or is in a session one of its commands
     started (unless that session id was reused since: its leader alive but not the
     process we started, or the process marked as another sandbox's)."""
@@ -231,7 +231,7 @@ def _prune_starts(listing: list[tuple[int, int]]) -> None:
                 _STARTS.pop(pid, None)
 
 
-def _matching(target: _Target, keep: set[int]) -> dict[int, _Stat]:
+def _matching(target: SweepTarget, keep: set[int]) -> dict[int, _Stat]:
     own_mnt = _readlink("/proc/self/ns/mnt")
     found: dict[int, _Stat] = {}
     listing = _pids_newest_first()
@@ -274,7 +274,7 @@ _QUIET_PASSES = 3
 """Consecutive passes that must find nothing new before the sweep kills what it froze."""
 
 
-def _sweep(target: _Target) -> tuple[int, list[int]]:
+def sweep_target(target: SweepTarget) -> tuple[int, list[int]]:
     """Freeze-then-kill every process of ``target``; return (killed, survivors' pids).
 
     Each pass walks /proc newest pid first and SIGSTOPs every matching process at once
@@ -350,14 +350,14 @@ def _wait_gone(processes: dict[int, int]) -> None:
             time.sleep(0.005)
 
 
-def _scan_root(root: Path) -> list[SandboxInfo]:
+def scan_root(root: Path) -> list[SandboxInfo]:
     found: list[SandboxInfo] = []
     if not root.is_dir():
         return found
     for entry in sorted(root.iterdir()):
         if entry.is_symlink() or not entry.is_dir():
             continue
-        meta = _read_meta(entry)
+        meta = read_meta(entry)
         if not meta:
             continue
         raw_labels = meta.get("labels")
@@ -376,26 +376,26 @@ def _scan_root(root: Path) -> list[SandboxInfo]:
     return found
 
 
-def _destroy_dir(directory: Path) -> None:
+def destroy_dir(directory: Path) -> None:
     """Kill processes still running of a leaked sandbox (the same freeze-then-kill sweep as
     ``close()``, by the mark, start time and workdir its ``meta.json`` recorded, and by its
     directories), then remove it, and the workdir its ``create_workdir`` start created,
     without following links."""
-    meta = _read_meta(directory)
+    meta = read_meta(directory)
     workdir = directory / "work"
     declared = meta.get("workdir")
     if isinstance(declared, str) and declared.startswith("/") and declared.strip("/"):
         workdir = Path(declared)
     mark = meta.get("mark")
     since = meta.get("since")
-    target = _Target(
+    target = SweepTarget(
         mark=mark if isinstance(mark, str) and mark else None,
-        dirs=_real_dirs(directory, workdir),
+        dirs=real_dirs(directory, workdir),
         sessions={},
         since=since if isinstance(since, int) else 0,
     )
     try:
-        _killed, survivors = _sweep(target)
+        _killed, survivors = sweep_target(target)
     except OSError as exc:
         log.warning("%s: process sweep failed: %s", directory, exc)
     else:
@@ -404,7 +404,7 @@ def _destroy_dir(directory: Path) -> None:
     created = _created_workdir(directory, meta)
     if created is not None:
         created.remove()
-    _remove_sandbox_dir(directory, None)
+    remove_sandbox_dir(directory, None)
 
 
 def _created_workdir(directory: Path, meta: dict[str, object]) -> CreatedDir | None:
@@ -417,16 +417,16 @@ def _created_workdir(directory: Path, meta: dict[str, object]) -> CreatedDir | N
     if created is None:
         return None
     try:
-        owner = os.stat(directory / _META, follow_symlinks=False).st_uid
+        owner = os.stat(directory / META_FILE, follow_symlinks=False).st_uid
     except OSError:
         return None
     return created if owner == os.geteuid() else None
 
 
-def _read_meta(directory: Path) -> dict[str, object]:
+def read_meta(directory: Path) -> dict[str, object]:
     """The sandbox's ``meta.json``, read without following a link; {} if unreadable."""
     try:
-        fd = os.open(directory / _META, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(directory / META_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return {}
     try:

@@ -33,8 +33,8 @@ from .checks import (
     Check,
     CheckOutcome,
     CheckSkipped,
-    _assert_left_nothing,
-    _workdir_names,
+    assert_left_nothing,
+    workdir_names,
 )
 
 if TYPE_CHECKING:
@@ -105,12 +105,12 @@ class CheckRunner:
         with anyio.fail_after(CHECK_TIMEOUT):
             runtime = await self._shared_runtime()
             try:
-                before = await _workdir_names(runtime) if self.verify_sharing else set()
+                before = await workdir_names(runtime) if self.verify_sharing else set()
                 await check.fn(runtime)
                 if runtime.closed:
                     raise AssertionError(f"check {check.name} shares its sandbox but closed it")
                 if self.verify_sharing:
-                    await _assert_left_nothing(check.name, runtime, before)
+                    await assert_left_nothing(check.name, runtime, before)
             except CheckSkipped:
                 raise
             except BaseException:

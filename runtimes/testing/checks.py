@@ -61,44 +61,44 @@ def check(*, shares_sandbox: bool) -> Callable[[CheckFn], CheckFn]:
 # ---------------------------------------------------------------------- helpers
 
 
-def _token() -> str:
+def unique_token() -> str:
     """A unique sleep duration, so the check can find its own processes with ps."""
     return f"{random.randint(100, 999)}.{random.randint(10**5, 10**6 - 1)}"
 
 
-async def _processes_matching(rt: Runtime, token: str) -> list[str]:
+async def processes_matching(rt: Runtime, token: str) -> list[str]:
     result = await rt.exec(["ps", "-eo", "pid,args"], timeout=30)
     return [line for line in result.stdout.splitlines() if token in line and "ps -eo" not in line]
 
 
-async def _wait_for_processes(rt: Runtime, token: str, count: int) -> list[str]:
+async def wait_for_processes(rt: Runtime, token: str, count: int) -> list[str]:
     """Poll briefly: a process shows its argv only once it has exec'd, and ps prints an
     empty command line for one caught in the middle of an ``execve``."""
     seen: list[str] = []
     for _ in range(40):
-        seen = await _processes_matching(rt, token)
+        seen = await processes_matching(rt, token)
         if len(seen) >= count:
             return seen
         await anyio.sleep(0.05)
     raise AssertionError(f"expected {count} processes with {token}, saw {seen}")
 
 
-async def _assert_no_process(rt: Runtime, token: str) -> None:
+async def assert_no_process(rt: Runtime, token: str) -> None:
     """Poll briefly: the kill is sent before the error is raised, reaping may lag."""
     left: list[str] = []
     for _ in range(40):
-        left = await _processes_matching(rt, token)
+        left = await processes_matching(rt, token)
         if not left:
             return
         await anyio.sleep(0.05)
     raise AssertionError(f"processes left running in the sandbox: {left}")
 
 
-async def _is_root(rt: Runtime) -> bool:
+async def is_root(rt: Runtime) -> bool:
     return (await rt.exec(["id", "-u"])).stdout.strip() == "0"
 
 
-def _assert_names(exc: BaseException, path: str) -> None:
+def assert_names(exc: BaseException, path: str) -> None:
     assert path in str(exc), f"error message does not name {path!r}: {exc}"
 
 
@@ -106,14 +106,14 @@ SCRATCH_PREFIX = "conformance-"
 """How the paths a check makes in the workdir begin (each with a unique random suffix)."""
 
 
-async def _scratch(rt: Runtime) -> str:
+async def scratch_dir(rt: Runtime) -> str:
     path = f"{rt.workdir}/{SCRATCH_PREFIX}{random.randrange(1 << 30)}"
     result = await rt.exec(["mkdir", "-p", path])
     assert result.exit_code == 0, result
     return path
 
 
-async def _raises(
+async def expect_raises(
     expected: type[BaseException] | tuple[type[BaseException], ...], awaitable: Awaitable[object]
 ) -> BaseException:
     try:
@@ -125,7 +125,7 @@ async def _raises(
     raise AssertionError(f"expected {expected}, nothing was raised")
 
 
-async def _workdir_names(rt: Runtime) -> set[str]:
+async def workdir_names(rt: Runtime) -> set[str]:
     listing = await rt.exec(
         [
             "sh",
@@ -141,13 +141,13 @@ async def _workdir_names(rt: Runtime) -> set[str]:
     return set(listing.stdout_bytes.decode("utf-8", "surrogateescape").split("\0")[:-1])
 
 
-async def _assert_left_nothing(name: str, rt: Runtime, before: set[str]) -> None:
+async def assert_left_nothing(name: str, rt: Runtime, before: set[str]) -> None:
     """What a check marked ``shares_sandbox`` promises the next check: no process its
     commands started is left, the runtime answers, and the workdir gained only paths with
     the scratch prefix."""
     left = await rt.stop_processes()
     assert left == 0, f"{name} shares its sandbox but left {left} processes running"
-    added = await _workdir_names(rt) - before
+    added = await workdir_names(rt) - before
     foreign = sorted(n for n in added if not n.startswith(SCRATCH_PREFIX))
     assert not foreign, f"{name} shares its sandbox but made {foreign} in the workdir"
 

@@ -20,15 +20,15 @@ from ..errors import (
 )
 from ..models import MiB
 from .checks import (
-    _assert_names,
-    _assert_no_process,
-    _is_root,
-    _processes_matching,
-    _raises,
-    _scratch,
-    _token,
-    _wait_for_processes,
+    assert_names,
+    assert_no_process,
     check,
+    expect_raises,
+    is_root,
+    processes_matching,
+    scratch_dir,
+    unique_token,
+    wait_for_processes,
 )
 
 # ---------------------------------------------------------------------- exec: output
@@ -96,7 +96,7 @@ async def check_signal_death(rt: Runtime) -> None:
 async def check_timeout_raises_with_partial_output(rt: Runtime) -> None:
     """timeout= raises ExecTimeoutError carrying the output produced before it."""
     started = anyio.current_time()
-    exc = await _raises(
+    exc = await expect_raises(
         ExecTimeoutError,
         rt.exec(["sh", "-c", "echo started; echo oops >&2; sleep 60"], timeout=1.5),
     )
@@ -110,25 +110,25 @@ async def check_timeout_raises_with_partial_output(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_timeout_kills_tree(rt: Runtime) -> None:
     """After a timeout no process of the command is left, a sleeping grandchild included."""
-    token = _token()
-    await _raises(
+    token = unique_token()
+    await expect_raises(
         ExecTimeoutError,
         rt.exec(
             ["sh", "-c", f"sleep {token} & sh -c 'sleep {token}' & sleep {token}; wait"],
             timeout=1.5,
         ),
     )
-    await _assert_no_process(rt, token)
+    await assert_no_process(rt, token)
 
 
 @check(shares_sandbox=True)
 async def check_cancellation_kills_tree(rt: Runtime) -> None:
     """Cancelling the awaiting task kills the process tree too."""
-    token = _token()
+    token = unique_token()
     with anyio.move_on_after(1.5) as scope:
         await rt.exec(["sh", "-c", f"sleep {token} & sleep {token}; wait"])
     assert scope.cancelled_caught, "the exec should have been cancelled"
-    await _assert_no_process(rt, token)
+    await assert_no_process(rt, token)
     result = await rt.exec(["echo", "still usable"])
     assert result.stdout == "still usable\n", result
 
@@ -157,12 +157,12 @@ class _CallbackFailed(Exception):
 @check(shares_sandbox=True)
 async def check_on_output_error_kills_tree(rt: Runtime) -> None:
     """An exception raised by ``on_output`` kills the process tree and propagates as is."""
-    token = _token()
+    token = unique_token()
 
     def refuse(stream: str, data: bytes) -> None:
         raise _CallbackFailed(stream)
 
-    await _raises(
+    await expect_raises(
         _CallbackFailed,
         rt.exec(
             ["sh", "-c", f"echo go; sleep {token} & sleep {token}; wait"],
@@ -170,7 +170,7 @@ async def check_on_output_error_kills_tree(rt: Runtime) -> None:
             on_output=refuse,
         ),
     )
-    await _assert_no_process(rt, token)
+    await assert_no_process(rt, token)
     result = await rt.exec(["echo", "still usable"])
     assert result.stdout == "still usable\n", result
 
@@ -185,26 +185,26 @@ async def check_fast_command_not_timed_out(rt: Runtime) -> None:
 @check(shares_sandbox=False)  # leaves a daemon running while it looks
 async def check_background_process_keeps_running(rt: Runtime) -> None:
     """A daemon a command starts with its output redirected survives that command."""
-    token = _token()
+    token = unique_token()
     result = await rt.exec(
         ["sh", "-c", f"nohup sleep {token} >/dev/null 2>&1 </dev/null & echo ok"], timeout=20
     )
     assert result.stdout == "ok\n", result
-    await _wait_for_processes(rt, token, 1)
+    await wait_for_processes(rt, token, 1)
     await anyio.sleep(0.2)
-    assert await _processes_matching(rt, token), "the background process should still run"
+    assert await processes_matching(rt, token), "the background process should still run"
     await rt.exec(["pkill", "-f", f"sleep {token}"])
 
 
 @check(shares_sandbox=False)  # counts and kills every process the runtime's commands left
 async def check_stop_processes(rt: Runtime) -> None:
     """stop_processes() kills what commands left running in the background, nothing else."""
-    token = _token()
+    token = unique_token()
     await rt.exec(["sh", "-c", f"nohup sleep {token} >/dev/null 2>&1 </dev/null &"], timeout=20)
     await rt.exec(["sh", "-c", f"(setsid sleep {token} >/dev/null 2>&1 </dev/null &)"], timeout=20)
-    assert len(await _wait_for_processes(rt, token, 2)) == 2
+    assert len(await wait_for_processes(rt, token, 2)) == 2
     assert await rt.stop_processes() >= 2
-    await _assert_no_process(rt, token)
+    await assert_no_process(rt, token)
     assert (await rt.exec(["echo", "usable"])).stdout == "usable\n"
     assert await rt.stop_processes() == 0
 
@@ -237,7 +237,7 @@ async def check_default_cwd_is_workdir(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_cwd_absolute_and_relative(rt: Runtime) -> None:
     """cwd= may be absolute, or relative to the workdir."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     await rt.exec(["mkdir", "-p", f"{base}/sub dir"])
     absolute = await rt.exec(["pwd"], cwd=f"{base}/sub dir")
     assert absolute.stdout == f"{base}/sub dir\n", absolute
@@ -249,9 +249,9 @@ async def check_cwd_absolute_and_relative(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_cwd_missing(rt: Runtime) -> None:
     """A missing cwd is SandboxFileNotFoundError naming it."""
-    missing = f"{rt.workdir}/no-such-dir-{_token()}"
-    exc = await _raises(SandboxFileNotFoundError, rt.exec(["true"], cwd=missing))
-    _assert_names(exc, missing)
+    missing = f"{rt.workdir}/no-such-dir-{unique_token()}"
+    exc = await expect_raises(SandboxFileNotFoundError, rt.exec(["true"], cwd=missing))
+    assert_names(exc, missing)
 
 
 # ---------------------------------------------------------------------- exec: stdin, argv
@@ -337,7 +337,7 @@ async def check_concurrent_execs(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_output_limit(rt: Runtime) -> None:
     """Output over the per-call cap raises OutputLimitExceededError with the truncated output."""
-    exc = await _raises(
+    exc = await expect_raises(
         OutputLimitExceededError,
         rt.exec(["head", "-c", "300000", "/dev/zero"], output_limit=100_000, timeout=60),
     )
@@ -350,14 +350,14 @@ async def check_output_limit(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_output_limit_stops_endless_output(rt: Runtime) -> None:
     """An endless writer is killed at the cap instead of filling memory."""
-    token = _token()
-    exc = await _raises(
+    token = unique_token()
+    exc = await expect_raises(
         OutputLimitExceededError,
         rt.exec(["sh", "-c", f"sleep {token} & yes"], output_limit=1_000_000, timeout=60),
     )
     assert isinstance(exc, OutputLimitExceededError)
     assert exc.stdout_bytes.startswith(b"y\ny\n")
-    await _assert_no_process(rt, token)
+    await assert_no_process(rt, token)
 
 
 @check(shares_sandbox=True)
@@ -371,26 +371,26 @@ async def check_output_at_limit_ok(rt: Runtime) -> None:
 async def check_missing_program(rt: Runtime) -> None:
     """A program that does not exist is SandboxFileNotFoundError naming it."""
     name = f"vf-no-such-program-{random.randrange(1 << 30)}"
-    exc = await _raises(SandboxFileNotFoundError, rt.exec([name]))
-    _assert_names(exc, name)
+    exc = await expect_raises(SandboxFileNotFoundError, rt.exec([name]))
+    assert_names(exc, name)
 
 
 @check(shares_sandbox=True)
 async def check_non_executable_program(rt: Runtime) -> None:
     """A file without the execute bit is SandboxPermissionError naming it."""
-    path = f"{await _scratch(rt)}/not-exec.sh"
+    path = f"{await scratch_dir(rt)}/not-exec.sh"
     await rt.write(path, b"#!/bin/sh\necho hi\n")
     await rt.exec(["chmod", "644", path])
-    exc = await _raises(SandboxPermissionError, rt.exec([path]))
-    _assert_names(exc, path)
+    exc = await expect_raises(SandboxPermissionError, rt.exec([path]))
+    assert_names(exc, path)
 
 
 @check(shares_sandbox=True)
 async def check_invalid_argv(rt: Runtime) -> None:
     """Empty argv, a shell string, and NUL bytes are SandboxInvalidArgumentError."""
-    await _raises(SandboxInvalidArgumentError, rt.exec([]))
-    await _raises(SandboxInvalidArgumentError, rt.exec("echo hi"))
-    await _raises(SandboxInvalidArgumentError, rt.exec(["echo", "a\x00b"]))
+    await expect_raises(SandboxInvalidArgumentError, rt.exec([]))
+    await expect_raises(SandboxInvalidArgumentError, rt.exec("echo hi"))
+    await expect_raises(SandboxInvalidArgumentError, rt.exec(["echo", "a\x00b"]))
 
 
 @check(shares_sandbox=True)
@@ -398,13 +398,13 @@ async def check_user(rt: Runtime) -> None:
     """user= runs as that user when the sandbox can switch, an unknown user is
     SandboxUserNotFoundError, and a switch the sandbox cannot make SandboxUserRefusedError (a
     SandboxPermissionError)."""
-    if await _is_root(rt):
+    if await is_root(rt):
         result = await rt.exec(["id", "-un"], user="nobody")
         got = result.stdout.strip()
         assert got == "nobody", (
             f"exec(['id', '-un'], user='nobody'): expected 'nobody' on stdout, got {got!r} "
             f"(exit {result.exit_code}, stderr {result.stderr.strip()[:200]!r})"
         )
-        await _raises(SandboxUserNotFoundError, rt.exec(["id"], user="vf-no-such-user"))
+        await expect_raises(SandboxUserNotFoundError, rt.exec(["id"], user="vf-no-such-user"))
     else:
-        await _raises(SandboxUserRefusedError, rt.exec(["id", "-un"], user="root"))
+        await expect_raises(SandboxUserRefusedError, rt.exec(["id", "-un"], user="root"))

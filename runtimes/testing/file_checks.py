@@ -25,11 +25,11 @@ from ..models import MiB
 from .checks import (
     SCRATCH_PREFIX,
     CheckSkipped,
-    _assert_names,
-    _is_root,
-    _raises,
-    _scratch,
+    assert_names,
     check,
+    expect_raises,
+    is_root,
+    scratch_dir,
 )
 
 # ---------------------------------------------------------------------- files: round trips
@@ -38,7 +38,7 @@ from .checks import (
 @check(shares_sandbox=True)
 async def check_file_round_trip(rt: Runtime) -> None:
     """write then read returns the same bytes, and exec sees the file."""
-    path = f"{await _scratch(rt)}/hello.txt"
+    path = f"{await scratch_dir(rt)}/hello.txt"
     await rt.write(path, b"hello\n")
     assert await rt.read(path) == b"hello\n"
     assert (await rt.exec(["cat", path])).stdout_bytes == b"hello\n"
@@ -47,7 +47,7 @@ async def check_file_round_trip(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_file_empty(rt: Runtime) -> None:
     """An empty file round-trips."""
-    path = f"{await _scratch(rt)}/empty"
+    path = f"{await scratch_dir(rt)}/empty"
     await rt.write(path, b"")
     assert await rt.read(path) == b""
     assert (await rt.exec(["wc", "-c", path])).stdout.split()[0] == "0"
@@ -56,7 +56,7 @@ async def check_file_empty(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_file_binary(rt: Runtime) -> None:
     """Every byte value, NULs and invalid UTF-8 round-trip."""
-    path = f"{await _scratch(rt)}/binary.bin"
+    path = f"{await scratch_dir(rt)}/binary.bin"
     data = bytes(range(256)) * 17 + b"\xff\xfe\x00\xc3\x28"
     await rt.write(path, data)
     assert await rt.read(path) == data
@@ -67,7 +67,7 @@ async def check_file_binary(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_file_text(rt: Runtime) -> None:
     """write() accepts text and stores it as UTF-8."""
-    path = f"{await _scratch(rt)}/text.txt"
+    path = f"{await scratch_dir(rt)}/text.txt"
     await rt.write(path, "ünïcødé ✓\n")
     assert await rt.read(path) == "ünïcødé ✓\n".encode()
 
@@ -75,7 +75,7 @@ async def check_file_text(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_file_50mib(rt: Runtime) -> None:
     """A 50 MiB file round-trips both ways, verified by hash inside the sandbox."""
-    path = f"{await _scratch(rt)}/big.bin"
+    path = f"{await scratch_dir(rt)}/big.bin"
     data = random.randbytes(50 * MiB)
     await rt.write(path, data)
     sha = (await rt.exec(["sha256sum", path], timeout=120)).stdout.split()[0]
@@ -87,7 +87,7 @@ async def check_file_50mib(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_file_special_names(rt: Runtime) -> None:
     """Names with spaces, quotes, newlines, unicode and leading dashes round-trip."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     names = [
         "with space",
         "it's",
@@ -112,7 +112,7 @@ async def check_file_special_names(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_write_creates_parents(rt: Runtime) -> None:
     """write() creates missing parent directories."""
-    path = f"{await _scratch(rt)}/a/b/c/d.json"
+    path = f"{await scratch_dir(rt)}/a/b/c/d.json"
     await rt.write(path, b"{}")
     assert await rt.read(path) == b"{}"
 
@@ -120,7 +120,7 @@ async def check_write_creates_parents(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_write_overwrites(rt: Runtime) -> None:
     """write() replaces old content entirely, a longer old file included."""
-    path = f"{await _scratch(rt)}/over"
+    path = f"{await scratch_dir(rt)}/over"
     await rt.write(path, b"a much longer original content")
     await rt.write(path, b"short")
     assert await rt.read(path) == b"short"
@@ -130,7 +130,7 @@ async def check_write_overwrites(rt: Runtime) -> None:
 async def check_write_keeps_file_and_leaves_nothing_beside(rt: Runtime) -> None:
     """Overwriting keeps the file's mode, writes through a symlink (the link stays a link)
     and leaves no temporary file next to the target."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     await rt.write(f"{base}/tool.sh", b"#!/bin/sh\necho old\n")
     await rt.exec(["chmod", "750", f"{base}/tool.sh"])
     await rt.exec(["ln", "-s", "tool.sh", f"{base}/link"])
@@ -158,7 +158,7 @@ async def check_relative_paths(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_read_follows_symlink(rt: Runtime) -> None:
     """read() follows a symlink to its target."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     await rt.write(f"{base}/target", b"through the link")
     await rt.exec(["ln", "-s", f"{base}/target", f"{base}/link"])
     assert await rt.read(f"{base}/link") == b"through the link"
@@ -171,81 +171,81 @@ async def check_read_follows_symlink(rt: Runtime) -> None:
 async def check_read_missing(rt: Runtime) -> None:
     """Reading a missing file is SandboxFileNotFoundError (a FileNotFoundError) naming it."""
     path = f"{rt.workdir}/missing-{random.randrange(1 << 30)}.txt"
-    exc = await _raises(SandboxFileNotFoundError, rt.read(path))
+    exc = await expect_raises(SandboxFileNotFoundError, rt.read(path))
     assert isinstance(exc, FileNotFoundError) and not isinstance(exc, SandboxUnavailableError)
     assert exc.errno == errno.ENOENT and exc.filename == path, (exc.errno, exc.filename)
-    _assert_names(exc, path)
+    assert_names(exc, path)
 
 
 @check(shares_sandbox=True)
 async def check_read_directory(rt: Runtime) -> None:
     """Reading a directory is SandboxIsADirectoryError naming it."""
-    base = await _scratch(rt)
-    exc = await _raises(SandboxIsADirectoryError, rt.read(base))
+    base = await scratch_dir(rt)
+    exc = await expect_raises(SandboxIsADirectoryError, rt.read(base))
     assert isinstance(exc, IsADirectoryError)
-    _assert_names(exc, base)
+    assert_names(exc, base)
 
 
 @check(shares_sandbox=True)
 async def check_write_to_directory(rt: Runtime) -> None:
     """Writing over a directory is SandboxIsADirectoryError naming it."""
-    base = await _scratch(rt)
-    exc = await _raises(SandboxIsADirectoryError, rt.write(base, b"x"))
-    _assert_names(exc, base)
+    base = await scratch_dir(rt)
+    exc = await expect_raises(SandboxIsADirectoryError, rt.write(base, b"x"))
+    assert_names(exc, base)
 
 
 @check(shares_sandbox=True)
 async def check_read_under_file(rt: Runtime) -> None:
     """Reading file/child where file is a regular file is SandboxNotADirectoryError."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     await rt.write(f"{base}/file", b"x")
-    exc = await _raises(SandboxNotADirectoryError, rt.read(f"{base}/file/child"))
+    exc = await expect_raises(SandboxNotADirectoryError, rt.read(f"{base}/file/child"))
     assert isinstance(exc, NotADirectoryError)
-    _assert_names(exc, f"{base}/file/child")
+    assert_names(exc, f"{base}/file/child")
 
 
 @check(shares_sandbox=True)
 async def check_write_under_file(rt: Runtime) -> None:
     """Writing file/child where file is a regular file is SandboxNotADirectoryError."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     await rt.write(f"{base}/file", b"x")
-    exc = await _raises(SandboxNotADirectoryError, rt.write(f"{base}/file/child", b"y"))
-    _assert_names(exc, f"{base}/file/child")
+    exc = await expect_raises(SandboxNotADirectoryError, rt.write(f"{base}/file/child", b"y"))
+    assert_names(exc, f"{base}/file/child")
     assert await rt.read(f"{base}/file") == b"x", "the existing file must be untouched"
 
 
 @check(shares_sandbox=True)
 async def check_unreadable_file(rt: Runtime) -> None:
     """Reading a file without read permission is SandboxPermissionError (non-root sandboxes)."""
-    if await _is_root(rt):
+    if await is_root(rt):
         raise CheckSkipped("the sandbox user is root: every file is readable")
-    path = f"{await _scratch(rt)}/secret"
+    path = f"{await scratch_dir(rt)}/secret"
     await rt.write(path, b"x")
     await rt.exec(["chmod", "000", path])
-    exc = await _raises(SandboxPermissionError, rt.read(path))
+    exc = await expect_raises(SandboxPermissionError, rt.read(path))
     assert isinstance(exc, PermissionError)
-    _assert_names(exc, path)
+    assert_names(exc, path)
 
 
 @check(shares_sandbox=True)
 async def check_unwritable_directory(rt: Runtime) -> None:
     """Writing into a read-only directory is SandboxPermissionError (non-root sandboxes)."""
-    if await _is_root(rt):
+    if await is_root(rt):
         raise CheckSkipped("the sandbox user is root: every directory is writable")
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     await rt.exec(["mkdir", f"{base}/ro"])
     await rt.exec(["chmod", "555", f"{base}/ro"])
-    exc = await _raises(SandboxPermissionError, rt.write(f"{base}/ro/file", b"x"))
-    _assert_names(exc, f"{base}/ro/file")
+    exc = await expect_raises(SandboxPermissionError, rt.write(f"{base}/ro/file", b"x"))
+    assert_names(exc, f"{base}/ro/file")
 
 
 @check(shares_sandbox=True)
 async def check_read_limit(rt: Runtime) -> None:
     """read(max_bytes=) refuses a larger file with OutputLimitExceededError; equal size is fine."""
-    path = f"{await _scratch(rt)}/sized"
+    path = f"{await scratch_dir(rt)}/sized"
     await rt.write(path, b"x" * 1000)
     assert await rt.read(path, max_bytes=1000) == b"x" * 1000
-    exc = await _raises(OutputLimitExceededError, rt.read(path, max_bytes=999))
+    exc = await expect_raises(OutputLimitExceededError, rt.read(path, max_bytes=999))
     assert isinstance(exc, OutputLimitExceededError) and exc.limit == 999
 
 
@@ -253,9 +253,9 @@ async def check_read_limit(rt: Runtime) -> None:
 async def check_invalid_paths(rt: Runtime) -> None:
     """A NUL byte or an empty path is SandboxInvalidArgumentError, for every file call."""
     for bad in ("a\x00b", ""):
-        await _raises(SandboxInvalidArgumentError, rt.read(bad))
-        await _raises(SandboxInvalidArgumentError, rt.write(bad, b""))
-        await _raises(SandboxInvalidArgumentError, rt.exists(bad))
+        await expect_raises(SandboxInvalidArgumentError, rt.read(bad))
+        await expect_raises(SandboxInvalidArgumentError, rt.write(bad, b""))
+        await expect_raises(SandboxInvalidArgumentError, rt.exists(bad))
 
 
 # ---------------------------------------------------------------------- files: exists, remove
@@ -264,7 +264,7 @@ async def check_invalid_paths(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_exists(rt: Runtime) -> None:
     """exists() is True for files, directories and dangling symlinks; False when missing."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     await rt.write(f"{base}/f", b"")
     await rt.exec(["ln", "-s", f"{base}/nowhere", f"{base}/dangling"])
     assert await rt.exists(f"{base}/f")
@@ -278,22 +278,22 @@ async def check_exists(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_remove(rt: Runtime) -> None:
     """remove() deletes files and whole trees; a missing path is SandboxFileNotFoundError."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     await rt.write(f"{base}/tree/a/b.txt", b"b")
     await rt.write(f"{base}/file", b"f")
     await rt.remove(f"{base}/file")
     assert not await rt.exists(f"{base}/file")
     await rt.remove(f"{base}/tree")
     assert not await rt.exists(f"{base}/tree")
-    exc = await _raises(SandboxFileNotFoundError, rt.remove(f"{base}/tree"))
-    _assert_names(exc, f"{base}/tree")
+    exc = await expect_raises(SandboxFileNotFoundError, rt.remove(f"{base}/tree"))
+    assert_names(exc, f"{base}/tree")
     await rt.remove(f"{base}/tree", missing_ok=True)
 
 
 @check(shares_sandbox=True)
 async def check_remove_symlink_not_target(rt: Runtime) -> None:
     """remove() of a symlink to a directory removes the link, not the target."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     await rt.write(f"{base}/real/keep.txt", b"keep")
     await rt.exec(["ln", "-s", f"{base}/real", f"{base}/link"])
     await rt.remove(f"{base}/link")
@@ -329,7 +329,7 @@ async def check_upload_download_tree(rt: Runtime) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "src")
         files = _make_local_tree(src)
-        remote = f"{await _scratch(rt)}/uploaded"
+        remote = f"{await scratch_dir(rt)}/uploaded"
         await rt.upload(src, remote)
         for rel, data in files.items():
             assert await rt.read(f"{remote}/{rel}") == data, rel
@@ -346,7 +346,7 @@ async def check_upload_download_file(rt: Runtime) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "one.bin")
         src.write_bytes(b"\x00one\xff")
-        remote = f"{await _scratch(rt)}/dir/one.bin"
+        remote = f"{await scratch_dir(rt)}/dir/one.bin"
         await rt.upload(src, remote)
         assert await rt.read(remote) == b"\x00one\xff"
         dst = Path(tmp, "out", "copy.bin")
@@ -359,8 +359,8 @@ async def check_download_missing(rt: Runtime) -> None:
     """download() of a missing path is SandboxFileNotFoundError naming it."""
     missing = f"{rt.workdir}/missing-{random.randrange(1 << 30)}"
     with tempfile.TemporaryDirectory() as tmp:
-        exc = await _raises(SandboxFileNotFoundError, rt.download(missing, Path(tmp, "x")))
-    _assert_names(exc, missing)
+        exc = await expect_raises(SandboxFileNotFoundError, rt.download(missing, Path(tmp, "x")))
+    assert_names(exc, missing)
 
 
 def _mismatch(name: str, wrote: bytes, read: bytes) -> str:
@@ -373,7 +373,7 @@ def _mismatch(name: str, wrote: bytes, read: bytes) -> str:
 @check(shares_sandbox=True)
 async def check_concurrent_files(rt: Runtime) -> None:
     """Concurrent writes and reads of different files do not mix."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     payloads = {i: random.randbytes(random.randint(0, 200_000)) for i in range(16)}
 
     async def one(i: int) -> None:
@@ -410,7 +410,7 @@ async def check_alive_and_closed(rt: Runtime) -> None:
         rt.exists("x"),
         rt.remove("x"),
     ):
-        exc = await _raises(SandboxUnavailableError, call)
+        exc = await expect_raises(SandboxUnavailableError, call)
         assert not isinstance(exc, FileNotFoundError)
 
 

@@ -18,13 +18,13 @@ from ..errors import (
     SandboxNotADirectoryError,
     UnsafeArchiveMemberError,
 )
-from .checks import _assert_names, _raises, _scratch, check
+from .checks import assert_names, check, expect_raises, scratch_dir
 
 
 async def _tree(rt: Runtime) -> str:
     """A scratch tree: ``a.txt`` (5 bytes), ``sub/b.py``, ``sub/deep/c.py``, ``.hidden/d.py``,
     a link ``ln`` to ``/etc`` and a file named with a newline and a non-UTF-8 byte."""
-    root = await _scratch(rt)
+    root = await scratch_dir(rt)
     await rt.write(f"{root}/a.txt", b"hello")
     await rt.write(f"{root}/sub/b.py", b"")
     await rt.write(f"{root}/sub/deep/c.py", b"")
@@ -61,11 +61,11 @@ async def check_list_directory(rt: Runtime) -> None:
 async def check_list_errors(rt: Runtime) -> None:
     """list() of a missing path or of a file raises the typed error naming it."""
     root = await _tree(rt)
-    exc = await _raises(SandboxFileNotFoundError, rt.list(f"{root}/missing"))
-    _assert_names(exc, f"{root}/missing")
-    exc = await _raises(SandboxNotADirectoryError, rt.list(f"{root}/a.txt"))
-    _assert_names(exc, f"{root}/a.txt")
-    exc = await _raises(ListingLimitExceededError, rt.list(root, max_entries=3))
+    exc = await expect_raises(SandboxFileNotFoundError, rt.list(f"{root}/missing"))
+    assert_names(exc, f"{root}/missing")
+    exc = await expect_raises(SandboxNotADirectoryError, rt.list(f"{root}/a.txt"))
+    assert_names(exc, f"{root}/a.txt")
+    exc = await expect_raises(ListingLimitExceededError, rt.list(root, max_entries=3))
     assert "max_entries" in str(exc), exc
     assert len(await rt.list(root, max_entries=4)) == 4
 
@@ -79,9 +79,9 @@ async def check_stat(rt: Runtime) -> None:
     link = await rt.stat(f"{root}/ln")
     assert link.kind == "symlink" and link.target == "/etc", link
     assert (await rt.stat(root)).kind == "directory"
-    exc = await _raises(SandboxFileNotFoundError, rt.stat(f"{root}/missing"))
-    _assert_names(exc, f"{root}/missing")
-    await _raises(SandboxNotADirectoryError, rt.stat(f"{root}/a.txt/x"))
+    exc = await expect_raises(SandboxFileNotFoundError, rt.stat(f"{root}/missing"))
+    assert_names(exc, f"{root}/missing")
+    await expect_raises(SandboxNotADirectoryError, rt.stat(f"{root}/a.txt/x"))
 
 
 @check(shares_sandbox=True)
@@ -105,14 +105,14 @@ async def check_glob(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_upload_file_into_directory(rt: Runtime) -> None:
     """upload(file, "d/") writes d/<name>, creating d; onto a file it fails, leaving nothing."""
-    root = await _scratch(rt)
+    root = await scratch_dir(rt)
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "notes.txt"
         source.write_bytes(b"notes")
         await rt.upload(source, f"{root}/d/")
         assert await rt.read(f"{root}/d/notes.txt") == b"notes"
         await rt.write(f"{root}/file", b"")
-        await _raises(SandboxNotADirectoryError, rt.upload(source, f"{root}/file/"))
+        await expect_raises(SandboxNotADirectoryError, rt.upload(source, f"{root}/file/"))
         assert await rt.read(f"{root}/file") == b""
 
 
@@ -120,7 +120,7 @@ async def check_upload_file_into_directory(rt: Runtime) -> None:
 async def check_download_keeps_links(rt: Runtime) -> None:
     """download(links="keep") keeps a venv's absolute links as links; a refused download
     names the options and leaves its destination (and its parents) uncreated."""
-    root = await _scratch(rt)
+    root = await scratch_dir(rt)
     await rt.write(f"{root}/venv/lib/site.py", b"x = 1\n")
     await rt.exec(["ln", "-s", "/usr/bin/python3", f"{root}/venv/python"])
     await rt.exec(["ln", "-s", "lib/site.py", f"{root}/venv/site"])

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from ..base import Runtime
 from ..errors import SandboxError, SandboxFileExistsError, SandboxInvalidArgumentError
-from .checks import _raises, _scratch, check
+from .checks import check, expect_raises, scratch_dir
 
 
 @check(shares_sandbox=True)
 async def check_lstat_kinds(rt: Runtime) -> None:
     """lstat tells a file (size, one link, its first bytes up to the cap + 1), a directory, a
     symlink (its target, never followed, even dangling) and nothing there (``absent``)."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     await rt.write(f"{base}/f", b"hello world")
     made = await rt.exec(["sh", "-c", 'ln -s f "$1/l" && ln -s nowhere "$1/d"', "sh", base])
     assert made.exit_code == 0, made
@@ -26,7 +26,7 @@ async def check_lstat_kinds(rt: Runtime) -> None:
     assert (await rt.lstat(f"{base}/d")).target == "nowhere"
     assert (await rt.lstat(f"{base}/missing")).kind == "absent"
     assert (await rt.lstat(f"{base}/f/under")).kind == "absent"  # a file as a parent
-    await _raises(SandboxInvalidArgumentError, rt.lstat(f"{base}/f", content_limit=-1))
+    await expect_raises(SandboxInvalidArgumentError, rt.lstat(f"{base}/f", content_limit=-1))
 
 
 @check(shares_sandbox=True)
@@ -34,13 +34,13 @@ async def check_mkdir_fresh_and_exact(rt: Runtime) -> None:
     """mkdir makes one directory with exactly the mode asked (no umask), refuses a path
     where anything is (``SandboxFileExistsError``, a dangling link included) and a parent
     that is a link."""
-    base = await _scratch(rt)
+    base = await scratch_dir(rt)
     await rt.mkdir(f"{base}/a", mode=0o1770)
     info = await rt.lstat(f"{base}/a")
     assert (info.kind, info.mode) == ("directory", 0o1770), (info.kind, oct(info.mode))
-    await _raises(SandboxFileExistsError, rt.mkdir(f"{base}/a"))
+    await expect_raises(SandboxFileExistsError, rt.mkdir(f"{base}/a"))
     made = await rt.exec(["sh", "-c", 'ln -s nowhere "$1/d" && ln -s a "$1/la"', "sh", base])
     assert made.exit_code == 0, made
-    await _raises(SandboxFileExistsError, rt.mkdir(f"{base}/d"))
-    await _raises(SandboxError, rt.mkdir(f"{base}/la/sub"))
+    await expect_raises(SandboxFileExistsError, rt.mkdir(f"{base}/d"))
+    await expect_raises(SandboxError, rt.mkdir(f"{base}/la/sub"))
     assert (await rt.lstat(f"{base}/a/sub")).kind == "absent", "made through the link"

@@ -11,7 +11,14 @@ from ..base import Runtime
 from ..errors import ExecTimeoutError, OutputLimitExceededError, ShellSessionError
 from ..models import MiB
 from ..shell import ShellSession
-from .checks import _assert_no_process, _raises, _scratch, _token, _wait_for_processes, check
+from .checks import (
+    assert_no_process,
+    check,
+    expect_raises,
+    scratch_dir,
+    unique_token,
+    wait_for_processes,
+)
 
 # Seconds a command interrupted by its timeout may take beyond that timeout: SIGINT ends
 # `sleep` at once, so this only absorbs a loaded machine, never the SIGKILL grace.
@@ -31,7 +38,7 @@ async def _cwd(sh: ShellSession) -> str:
 @check(shares_sandbox=True)
 async def check_shell_state_persists(rt: Runtime) -> None:
     """A shell session keeps cd, export, functions, aliases, globals and a sourced PATH."""
-    scratch = await _scratch(rt)
+    scratch = await scratch_dir(rt)
     venv = f"{scratch}/venv"
     activate = (
         f"mkdir -p {venv}/bin && printf '#!/bin/sh\\necho from-venv\\n' > {venv}/bin/vf-tool"
@@ -73,19 +80,21 @@ async def check_shell_state_persists(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_shell_timeout_interrupts_and_continues(rt: Runtime) -> None:
     """A timed-out session command (a sleep, a busy loop) is interrupted; the session lives on."""
-    scratch = await _scratch(rt)
-    token = _token()
+    scratch = await scratch_dir(rt)
+    token = unique_token()
     async with rt.shell() as sh:
         await sh.run(f"cd {scratch}", timeout=30)
         started = anyio.current_time()
-        exc = await _raises(ExecTimeoutError, sh.run(f"echo started; sleep {token}", timeout=1))
+        exc = await expect_raises(
+            ExecTimeoutError, sh.run(f"echo started; sleep {token}", timeout=1)
+        )
         elapsed = anyio.current_time() - started
         assert isinstance(exc, ExecTimeoutError)
         assert exc.stdout_bytes == b"started\n", exc.stdout_bytes
         assert elapsed < 1 + _INTERRUPT_SLACK, f"a 1 s timeout took {elapsed:.1f}s"
-        await _assert_no_process(rt, token)
+        await assert_no_process(rt, token)
         assert await _cwd(sh) == scratch
-        await _raises(ExecTimeoutError, sh.run("while true; do sleep 0.1; done", timeout=0.5))
+        await expect_raises(ExecTimeoutError, sh.run("while true; do sleep 0.1; done", timeout=0.5))
         after = await sh.run("echo still here; pwd", timeout=30)
         assert (after.exit_code, after.stdout) == (0, f"still here\n{scratch}\n"), after
 
@@ -93,23 +102,23 @@ async def check_shell_timeout_interrupts_and_continues(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_shell_cancellation_interrupts(rt: Runtime) -> None:
     """Cancelling the task awaiting a session command interrupts it; the session lives on."""
-    scratch = await _scratch(rt)
-    token = _token()
+    scratch = await scratch_dir(rt)
+    token = unique_token()
     async with rt.shell() as sh:
         await sh.run(f"cd {scratch}", timeout=30)
         with anyio.move_on_after(0.5) as scope:
             await sh.run(f"sleep {token}")
         assert scope.cancelled_caught, "the run should have been cancelled"
-        await _assert_no_process(rt, token)
+        await assert_no_process(rt, token)
         assert await _cwd(sh) == scratch
 
 
 @check(shares_sandbox=True)
 async def check_shell_output_capped(rt: Runtime) -> None:
     """Endless output of a session command stops at output_limit; the session lives on."""
-    token = _token()
+    token = unique_token()
     async with rt.shell() as sh:
-        exc = await _raises(
+        exc = await expect_raises(
             OutputLimitExceededError, sh.run(f"yes {token}", output_limit=MiB, timeout=60)
         )
         assert isinstance(exc, OutputLimitExceededError)
@@ -117,7 +126,7 @@ async def check_shell_output_capped(rt: Runtime) -> None:
         assert 0 < len(kept) <= MiB, len(kept)
         line = f"{token}\n".encode()
         assert kept[: len(line) * 10] == line * 10, kept[:100]
-        await _assert_no_process(rt, token)
+        await assert_no_process(rt, token)
         result = await sh.run("echo after", timeout=30)
         assert (result.exit_code, result.stdout) == (0, "after\n"), result
 
@@ -142,7 +151,7 @@ async def check_shell_output_byte_exact(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_shell_sessions_side_by_side(rt: Runtime) -> None:
     """Two sessions of one sandbox keep their own state and run at the same time."""
-    scratch = await _scratch(rt)
+    scratch = await scratch_dir(rt)
     async with rt.shell() as one, rt.shell() as two:
         await one.run(f"cd {scratch}; export VF_ONE=1; vf_only_one() {{ :; }}", timeout=30)
         seen = await two.run(
@@ -164,9 +173,9 @@ async def check_shell_sessions_side_by_side(rt: Runtime) -> None:
 async def check_shell_dead_session(rt: Runtime) -> None:
     """A session whose shell exits raises ShellSessionError, then and on every later run."""
     async with rt.shell() as sh:
-        await _raises(ShellSessionError, sh.run("exit 3", timeout=30))
+        await expect_raises(ShellSessionError, sh.run("exit 3", timeout=30))
         assert not sh.alive
-        again = await _raises(ShellSessionError, sh.run("echo hello", timeout=30))
+        again = await expect_raises(ShellSessionError, sh.run("echo hello", timeout=30))
         assert isinstance(again, ShellSessionError) and again.reason, again
     result = await rt.exec(["echo", "runtime fine"])
     assert result.stdout == "runtime fine\n", result
@@ -201,7 +210,7 @@ async def check_shell_pty(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_shell_close_leaves_nothing(rt: Runtime) -> None:
     """Closing a session ends its shell, its driver and its background jobs (nohup'd ones too)."""
-    token = _token()
+    token = unique_token()
     async with rt.shell() as sh:
         started = await sh.run(
             f"sleep {token} & nohup sleep {token} >/dev/null 2>&1 & sleep {token} & disown; "
@@ -209,8 +218,8 @@ async def check_shell_close_leaves_nothing(rt: Runtime) -> None:
             timeout=30,
         )
         shell_pid, driver_pid = started.stdout.split()
-        await _wait_for_processes(rt, token, 3)
-    await _assert_no_process(rt, token)
+        await wait_for_processes(rt, token, 3)
+    await assert_no_process(rt, token)
     for pid in (shell_pid, driver_pid):
         gone = await rt.exec(["sh", "-c", f"kill -0 {pid} 2>/dev/null || echo gone"])
         assert gone.stdout == "gone\n", f"pid {pid} of the closed session is still running"

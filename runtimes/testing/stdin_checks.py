@@ -13,7 +13,7 @@ import anyio
 from ..base import Runtime
 from ..errors import ExecTimeoutError, SandboxInvalidArgumentError
 from ..models import KiB, MiB, Stream
-from .checks import _assert_no_process, _raises, _token, check
+from .checks import assert_no_process, check, expect_raises, unique_token
 
 
 class _SourceFailed(Exception):
@@ -116,14 +116,14 @@ async def check_stdin_iterable_not_read_ahead(rt: Runtime) -> None:
 async def check_stdin_iterable_error_kills_tree(rt: Runtime) -> None:
     """An exception raised by the stdin iterable kills the process tree and propagates as
     is; a chunk that is not bytes is a SandboxInvalidArgumentError."""
-    token = _token()
+    token = unique_token()
 
     async def failing() -> AsyncIterator[bytes]:
         yield b"first\n"
         await anyio.sleep(0.3)
         raise _SourceFailed("the source broke")
 
-    exc = await _raises(
+    exc = await expect_raises(
         _SourceFailed,
         rt.exec(
             ["sh", "-c", f"sleep {token} & sleep {token}; cat >/dev/null; wait"],
@@ -132,12 +132,12 @@ async def check_stdin_iterable_error_kills_tree(rt: Runtime) -> None:
         ),
     )
     assert str(exc) == "the source broke", exc
-    await _assert_no_process(rt, token)
+    await assert_no_process(rt, token)
 
     async def not_bytes() -> AsyncIterator[object]:
         yield "text, not bytes"
 
-    await _raises(
+    await expect_raises(
         SandboxInvalidArgumentError,
         rt.exec(["cat"], stdin=not_bytes(), timeout=60),  # type: ignore[arg-type]
     )
@@ -164,7 +164,7 @@ async def check_stdin_iterable_large_exact(rt: Runtime) -> None:
 @check(shares_sandbox=True)
 async def check_stdin_iterable_timeout_while_waiting(rt: Runtime) -> None:
     """A timeout that falls while the iterable waits kills the tree: ExecTimeoutError."""
-    token = _token()
+    token = unique_token()
 
     async def stalled() -> AsyncIterator[bytes]:
         yield b"start\n"
@@ -172,7 +172,7 @@ async def check_stdin_iterable_timeout_while_waiting(rt: Runtime) -> None:
         yield b"never\n"
 
     started = anyio.current_time()
-    await _raises(
+    await expect_raises(
         ExecTimeoutError,
         rt.exec(
             ["sh", "-c", f"sleep {token} & cat; wait"],
@@ -181,4 +181,4 @@ async def check_stdin_iterable_timeout_while_waiting(rt: Runtime) -> None:
         ),
     )
     assert anyio.current_time() - started < 15, "the timeout was late"
-    await _assert_no_process(rt, token)
+    await assert_no_process(rt, token)

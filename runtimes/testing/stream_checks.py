@@ -18,7 +18,7 @@ from ..base import Runtime
 from ..channel.protocol import MAX_BACKLOG
 from ..errors import ExecTimeoutError, OutputLimitExceededError
 from ..models import MiB, Stream
-from .checks import _assert_no_process, _raises, _token, check
+from .checks import assert_no_process, check, expect_raises, unique_token
 
 
 class _Recorder:
@@ -116,9 +116,9 @@ async def check_stream_output_cap(rt: Runtime) -> None:
     """An endless writer streamed with a 1 MiB cap raises OutputLimitExceededError (kept or
     not): the chunks seen total exactly the cap, nothing arrives after, the tree is killed."""
     for keep in (True, False):
-        token = _token()
+        token = unique_token()
         recorder = _Recorder()
-        exc = await _raises(
+        exc = await expect_raises(
             OutputLimitExceededError,
             rt.exec(
                 ["sh", "-c", f"sleep {token} & yes"],
@@ -135,7 +135,7 @@ async def check_stream_output_cap(rt: Runtime) -> None:
         kept = exc.stdout_bytes + exc.stderr_bytes
         assert kept == (streamed if keep else b""), (keep, len(kept))
         count = len(recorder.seen)
-        await _assert_no_process(rt, token)
+        await assert_no_process(rt, token)
         assert len(recorder.seen) == count, "output arrived after exec raised"
 
 
@@ -148,7 +148,7 @@ def _ticker(token: str) -> list[str]:
 async def check_stream_cancellation(rt: Runtime) -> None:
     """Cancelling a streaming exec after its first chunk kills the tree, and no chunk
     arrives once the exec has returned."""
-    token = _token()
+    token = unique_token()
     recorder = _Recorder()
     with anyio.CancelScope() as scope:
 
@@ -160,7 +160,7 @@ async def check_stream_cancellation(rt: Runtime) -> None:
     assert scope.cancelled_caught, "the exec should have been cancelled"
     assert recorder.joined("stdout").startswith(b"tick\n"), recorder.seen
     count = len(recorder.seen)
-    await _assert_no_process(rt, token)
+    await assert_no_process(rt, token)
     await anyio.sleep(0.2)
     assert len(recorder.seen) == count, f"chunks after the cancel: {recorder.seen[count:]}"
     assert (await rt.exec(["echo", "still usable"])).stdout == "still usable\n"
@@ -170,9 +170,9 @@ async def check_stream_cancellation(rt: Runtime) -> None:
 async def check_stream_timeout(rt: Runtime) -> None:
     """A streaming exec that times out with ``keep_output=False`` raises ExecTimeoutError
     (with no output kept) after streaming what came; the tree is killed, nothing more comes."""
-    token = _token()
+    token = unique_token()
     recorder = _Recorder()
-    exc = await _raises(
+    exc = await expect_raises(
         ExecTimeoutError,
         rt.exec(_ticker(token), timeout=1.0, on_output=recorder, keep_output=False),
     )
@@ -181,7 +181,7 @@ async def check_stream_timeout(rt: Runtime) -> None:
     streamed = recorder.joined("stdout")
     assert streamed.startswith(b"tick\n") and set(streamed.split(b"\n")) <= {b"tick", b""}
     count = len(recorder.seen)
-    await _assert_no_process(rt, token)
+    await assert_no_process(rt, token)
     await anyio.sleep(0.2)
     assert len(recorder.seen) == count, f"chunks after the timeout: {recorder.seen[count:]}"
 

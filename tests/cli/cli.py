@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "placement.cli"]
+CLI = [sys.executable, "-m", "runtimes.cli"]
 
 
 def run(

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, require_docker_image
 
 from .cli import finish, read_until, start
 
@@ -22,7 +22,7 @@ DOCKER = json.dumps({"type": "docker", "image": DOCKER_TEST_IMAGE})
 def docker_client() -> Iterator[Any]:
     import docker
 
-    _require_docker_image(DOCKER_TEST_IMAGE)
+    require_docker_image(DOCKER_TEST_IMAGE)
     client = docker.from_env()
     try:
         yield client

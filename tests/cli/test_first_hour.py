@@ -60,7 +60,7 @@ def test_output_limit_takes_the_units_of_memory_in_the_cli_and_the_config(tmp_pa
 
 
 def test_exec_image_sets_the_image_or_is_refused_by_a_backend_without_one() -> None:
-    from placement.cli_exec import with_image
+    from runtimes.cli.exec import with_image
 
     docker = with_image(resolve_runtime_config({"type": "docker", "memory": "1GiB"}), "alpine:3")
     assert (docker.type, getattr(docker, "image", None), docker.memory) == (

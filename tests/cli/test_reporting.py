@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from placement.cli import build_parser
+from runtimes.cli import build_parser
 from runtimes.testing import CHECKS
 
 from .cli import REPO, finish, run, run_json, start

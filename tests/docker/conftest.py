@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from runtimes import ownership
-from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, require_docker_image
 from runtimes.reaper import drain_removals_blocking
 
 IMAGE = DOCKER_TEST_IMAGE
@@ -35,7 +35,7 @@ def docker_client() -> Iterator[object]:
     """A plain docker SDK client, for looking at containers from the outside."""
     import docker
 
-    _require_docker_image(IMAGE)
+    require_docker_image(IMAGE)
     client = docker.from_env()
     try:
         yield client

@@ -29,7 +29,7 @@ from runtimes.channel.agent import serve, wire
 from runtimes.channel.agent.output import Refused
 from runtimes.channel.agent.wire import SweepHeader
 from runtimes.docker import DockerRuntime
-from runtimes.docker.files import _archive_error
+from runtimes.docker.files import archive_error
 from runtimes.errors import (
     SandboxError,
     SandboxInvalidArgumentError,
@@ -433,9 +433,9 @@ def test_the_engines_no_space_text_is_typed() -> None:
         "Error processing tar file(exit status 1): write /work/.vf-sandbox-write-ab12: "
         "no space left on device"
     )
-    full = _archive_error(500, message, "/work/f")
+    full = archive_error(500, message, "/work/f")
     assert type(full) is SandboxNoSpaceError and full.errno == errno.ENOSPC
-    quota = _archive_error(500, "write /work/x: disk quota exceeded", "/work/f")
+    quota = archive_error(500, "write /work/x: disk quota exceeded", "/work/f")
     assert type(quota) is SandboxNoSpaceError and quota.errno == errno.EDQUOT
 
 

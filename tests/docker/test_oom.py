@@ -17,7 +17,7 @@ import pytest
 
 from runtimes import SandboxResourceError
 from runtimes.docker import DockerConfig, DockerRuntime, oom
-from runtimes.docker.client import _ContainerRef
+from runtimes.docker.client import ContainerRef
 from runtimes.pytest_plugin import DockerRuntimeFactory
 from tests.docker.proxy import EngineProxy
 
@@ -146,7 +146,7 @@ async def test_one_oom_event_counts_for_one_check_only() -> None:
     """Two checks whose windows both hold the same event (a slow engine answer widens the
     window back past the command's start): the first takes it, the second does not."""
     engine = _FakeEngine(now=1_800_000_000.0, oom_at=1_799_999_999.5)
-    ref = _ContainerRef(engine, f"fake-{uuid.uuid4().hex}", DockerConfig(), "fake")
+    ref = ContainerRef(engine, f"fake-{uuid.uuid4().hex}", DockerConfig(), "fake")
     assert await oom.oom_killed_since(ref, time.monotonic() - 2.0)
     engine.now += 0.2
     assert not await oom.oom_killed_since(ref, time.monotonic() - 2.0)

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from runtimes.docker.agent import _AgentStream
-from runtimes.docker.stream import GuardedSocket, _Hijacked
+from runtimes.docker.agent import AgentStream
+from runtimes.docker.stream import GuardedSocket, Hijacked
 
 WATCHDOG = 10.0
 
@@ -68,7 +68,7 @@ def test_the_agent_stream_is_released_by_its_reader_after_close() -> None:
     ours, theirs = socket.socketpair()
     raw = _Recording(ours)
     response = _Response()
-    stream = _AgentStream(_Hijacked("exec", response, raw, b""))  # type: ignore[arg-type]
+    stream = AgentStream(Hijacked("exec", response, raw, b""))  # type: ignore[arg-type]
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.append(stream.recv()), name="reader")
     reader.start()
@@ -138,13 +138,13 @@ def test_engine_calls_do_not_scan_the_environment(monkeypatch: pytest.MonkeyPatc
     engine's client does not look."""
     import requests.sessions
 
-    from runtimes.docker.client import _client_for
+    from runtimes.docker.client import client_for
     from runtimes.docker.config import DockerConfig
 
     def scanned(*args: object, **kwargs: object) -> object:
         raise KeyError("VF_TEST_GONE")
 
-    client = _client_for(DockerConfig(image="vf-sandbox/base:bookworm"))  # asks for the version
+    client = client_for(DockerConfig(image="vf-sandbox/base:bookworm"))  # asks for the version
     monkeypatch.setattr(requests.sessions, "get_environ_proxies", scanned)
     assert client.api.ping() is True
     assert client.api.version()["ApiVersion"]

@@ -40,7 +40,7 @@ def main() -> None:
         config = {"type": "modal", "image": image, "app_name": "vf-sandbox-tests"}
     else:
         fake = FakeModalService(Path(state)).module()
-        runtimes.modal.client._modal = lambda: fake  # type: ignore[assignment]
+        runtimes.modal.client.modal_sdk = lambda: fake  # type: ignore[assignment]
         config = fake_config()
     print(anyio.run(_open, config), flush=True)
     if mode == "hang":

@@ -1,7 +1,7 @@
 """A fake ``modal`` SDK: Modal's own client code, with the local Docker engine as the service.
 
 Modal cannot be reached from the test machines, so ``runtimes.modal`` is tested against this
-module, injected by replacing ``runtimes.modal.client._modal``. The runtime's code path is the
+module, injected by replacing ``runtimes.modal.client.modal_sdk``. The runtime's code path is the
 production one: it calls the same names with the same arguments, through the same
 synchronicity interface (``.aio`` under asyncio, blocking calls in threads under trio).
 
@@ -1225,7 +1225,7 @@ def install(service: FakeModalService, monkeypatch: Any) -> types.ModuleType:
     import runtimes.modal.client
 
     fake = service.module()
-    monkeypatch.setattr(runtimes.modal.client, "_modal", lambda: fake)
+    monkeypatch.setattr(runtimes.modal.client, "modal_sdk", lambda: fake)
     return fake
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from runtimes import RuntimeConfigError, resolve_runtime_config, runtime_is_local
 from runtimes.modal import ModalConfig, ModalRuntime
-from runtimes.modal.config import _is_dockerfile
+from runtimes.modal.config import is_dockerfile
 
 
 def test_defaults_block_the_network_and_bound_the_lifetime() -> None:
@@ -52,10 +52,10 @@ def test_contradictions_and_unbounded_values_are_refused(
 
 
 def test_image_is_a_registry_reference_or_a_dockerfile_path() -> None:
-    assert not _is_dockerfile("python:3.11-slim")
-    assert not _is_dockerfile("ghcr.io/org/image:tag")
-    assert _is_dockerfile("images/python/Dockerfile")
-    assert _is_dockerfile("build/agent.Dockerfile")
+    assert not is_dockerfile("python:3.11-slim")
+    assert not is_dockerfile("ghcr.io/org/image:tag")
+    assert is_dockerfile("images/python/Dockerfile")
+    assert is_dockerfile("build/agent.Dockerfile")
 
 
 def test_the_runtime_is_registered_and_importing_it_needs_no_sdk_call() -> None:

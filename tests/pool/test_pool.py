@@ -308,6 +308,14 @@ async def test_closing_the_pool_closes_ready_sandboxes_and_in_flight_creations(
     assert [info for info in listed if info.labels.get(POOL) == pool.id] == []
 
 
+async def test_state_goes_new_open_closed_and_repr_names_it(starts: Starts) -> None:
+    pool = RuntimePool(CONFIG, size=0)
+    assert pool.state is State.NEW and repr(pool).endswith(", new)")
+    async with pool:
+        assert pool.state is State.OPEN and repr(pool).endswith(", open)")
+    assert pool.state is State.CLOSED and pool.closed and repr(pool).endswith(", closed)")
+
+
 async def test_a_closed_pool_refuses_acquirers_and_wakes_waiting_ones(starts: Starts) -> None:
     pool = RuntimePool(CONFIG, size=0)
     with pytest.raises(PoolClosedError):

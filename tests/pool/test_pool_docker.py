@@ -24,7 +24,7 @@ from runtimes.cleanup import cleanup_sandboxes
 from runtimes.docker import DockerRuntime
 from runtimes.lifecycle import State
 from runtimes.pool import POOL, RuntimePool
-from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, require_docker_image
 from runtimes.reaper import drain_removals
 from tests.processes import running_anywhere, sleep_token
 
@@ -45,7 +45,7 @@ def anyio_backend() -> str:
 def docker_client() -> Iterator[Any]:
     import docker
 
-    _require_docker_image(DOCKER_TEST_IMAGE)
+    require_docker_image(DOCKER_TEST_IMAGE)
     client = docker.from_env()
     try:
         yield client

@@ -21,7 +21,7 @@ import anyio
 import pytest
 
 from runtimes import Runtime, ownership
-from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, require_docker_image
 from runtimes.reaper import drain_removals_blocking
 from tests.processes import sleep_token
 from tests.ssh.sshd import IMAGE as SSHD_IMAGE
@@ -192,7 +192,7 @@ def docker_client() -> Iterator[Any]:
     """A plain docker SDK client, to do to containers what a crash or an operator does."""
     import docker
 
-    _require_docker_image(DOCKER_TEST_IMAGE)
+    require_docker_image(DOCKER_TEST_IMAGE)
     client = docker.from_env(timeout=60)
     try:
         yield client

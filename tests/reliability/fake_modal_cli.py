@@ -17,5 +17,5 @@ from tests.modal.fake_modal import FakeModalService
 
 if __name__ == "__main__":
     fake = FakeModalService(Path(sys.argv[1])).module()
-    runtimes.modal.client._modal = lambda: fake  # type: ignore[assignment]
+    runtimes.modal.client.modal_sdk = lambda: fake  # type: ignore[assignment]
     sys.exit(main(sys.argv[2:]))

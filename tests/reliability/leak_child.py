@@ -99,7 +99,7 @@ def main() -> None:
         from tests.modal.fake_modal import FakeModalService
 
         fake = FakeModalService(Path(state)).module()
-        runtimes.modal.client._modal = lambda: fake  # type: ignore[assignment]
+        runtimes.modal.client.modal_sdk = lambda: fake  # type: ignore[assignment]
     anyio.run(_hold_all, configs, count, mark)
 
 

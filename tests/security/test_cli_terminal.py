@@ -22,9 +22,10 @@ import anyio
 import pytest
 
 from harnesses.errors import HarnessInstallError
-from placement import cli, cli_check
 from placement.cli import main, print_judge_report
 from runtimes import open_runtime
+from runtimes.cli import check as cli_check
+from runtimes.cli import exec as cli_exec
 from runtimes.terminal import terminal_safe
 from runtimes.testing import CheckOutcome
 from tests.cli.cli import run
@@ -83,7 +84,7 @@ def test_an_error_quoting_an_installs_stderr_is_escaped(
     def failing_install(*_: Any) -> int:
         raise HarnessInstallError(f"installing mini-swe-agent failed (exit 1):\n{HOSTILE}")
 
-    monkeypatch.setattr(cli, "run_exec", failing_install)
+    monkeypatch.setattr(cli_exec, "run_exec", failing_install)
     code = main(["exec", "--runtime", "subprocess", "--", "true"])
     err = capsys.readouterr().err
     assert code == 1
@@ -138,7 +139,7 @@ def test_a_checks_failure_detail_is_printed_escaped(
 def test_a_backends_warning_reaches_stderr_escaped() -> None:
     """Warnings that no handler takes (Python prints them raw) go through the CLI's own."""
     code = (
-        "import logging, sys; from placement.cli_output import terminal_safe_logging; "
+        "import logging, sys; from runtimes.cli.output import terminal_safe_logging; "
         "terminal_safe_logging(); logging.getLogger('runtimes.x').warning('%s', sys.argv[1])"
     )
     done = subprocess.run(

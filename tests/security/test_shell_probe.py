@@ -31,9 +31,9 @@ def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 @pytest.fixture
 def container() -> Iterator[str]:
     """A running container whose own PATH starts with a directory the policy writes."""
-    from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, _require_docker_image
+    from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, require_docker_image
 
-    _require_docker_image(DOCKER_TEST_IMAGE)
+    require_docker_image(DOCKER_TEST_IMAGE)
     started = docker(
         "run", "-d", "-e", "PATH=/work/bin:/usr/bin:/bin", "-w", "/work",
         DOCKER_TEST_IMAGE, "sleep", "600",

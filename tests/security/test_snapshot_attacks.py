@@ -32,10 +32,11 @@ from runtimes import (
     SandboxError,
     SandboxInvalidArgumentError,
     open_runtime,
+    remove_snapshot,
     resolve_runtime_config,
 )
 from runtimes.config import RuntimeConfig
-from runtimes.snapshot import SandboxSnapshot, held_snapshots, remove_snapshot
+from runtimes.snapshot import SandboxSnapshot, held_snapshots
 from runtimes.subprocess import SubprocessConfig
 from runtimes.subprocess.snapshots import TREE
 from tests.placement import conftest as placement_fixtures

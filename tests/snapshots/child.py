@@ -43,7 +43,7 @@ def main() -> None:
         from tests.modal.fake_modal import FakeModalService
 
         fake = FakeModalService(Path(state)).module()
-        runtimes.modal.client._modal = lambda: fake  # type: ignore[assignment]
+        runtimes.modal.client.modal_sdk = lambda: fake  # type: ignore[assignment]
     print(json.dumps(anyio.run(_snapshot, config, keep)), flush=True)
     if mode == "hang":
         time.sleep(600)

@@ -10,9 +10,15 @@ from typing import Any
 
 import pytest
 
-from runtimes import SandboxError, SandboxInvalidArgumentError, open_runtime, ownership
+from runtimes import (
+    SandboxError,
+    SandboxInvalidArgumentError,
+    open_runtime,
+    ownership,
+    remove_snapshot,
+)
 from runtimes.docker import DockerConfig, DockerRuntime
-from runtimes.snapshot import SNAPSHOT, SandboxSnapshot, remove_snapshot
+from runtimes.snapshot import SNAPSHOT, SandboxSnapshot
 
 from .support import Backend, child_process
 

@@ -7,9 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from runtimes import SandboxInvalidArgumentError, SandboxUnavailableError, open_runtime
+from runtimes import (
+    SandboxInvalidArgumentError,
+    SandboxUnavailableError,
+    open_runtime,
+    remove_snapshot,
+)
 from runtimes.docker import DockerConfig
-from runtimes.snapshot import SandboxSnapshot, SnapshotUnsupportedError, remove_snapshot
+from runtimes.snapshot import SandboxSnapshot, SnapshotUnsupportedError
 from runtimes.subprocess import SubprocessConfig
 
 pytestmark = pytest.mark.anyio

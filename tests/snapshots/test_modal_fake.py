@@ -10,10 +10,9 @@ import modal
 import modal.exception as modal_exc
 import pytest
 
-from runtimes import open_runtime
+from runtimes import open_runtime, remove_snapshot
 from runtimes.modal import ModalConfig, ModalRuntime
 from runtimes.modal.snapshots import snapshot_dict_name
-from runtimes.snapshot import remove_snapshot
 from tests.modal.fake_modal import FakeModalService
 from tests.modal.sdk_scenarios import SCENARIO_APP
 from tests.modal.support import fake_config

@@ -16,9 +16,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from runtimes import open_runtime, ownership
+from runtimes import open_runtime, ownership, remove_snapshot
 from runtimes.cleanup import cleanup_sandboxes
-from runtimes.snapshot import SandboxSnapshot, held_snapshots, remove_snapshot
+from runtimes.snapshot import SandboxSnapshot, held_snapshots
 from runtimes.subprocess import SubprocessConfig, SubprocessRuntime
 from runtimes.subprocess.snapshots import SNAPSHOT_PREFIX
 

@@ -244,7 +244,7 @@ async def test_a_control_command_left_unanswered_leaves_the_connection_to_its_ca
     import paramiko
 
     import runtimes.ssh.connected as connected
-    from runtimes.ssh.control import _kill_script
+    from runtimes.ssh.control import kill_script
 
     async with open_runtime(sshd.config()) as rt:
         assert isinstance(rt, SSHRuntime)
@@ -265,9 +265,9 @@ async def test_a_control_command_left_unanswered_leaves_the_connection_to_its_ca
                 tg.start_soon(run)
                 await anyio.sleep(0.5)
                 with monkeypatch.context() as patch:
-                    patch.setattr(connected, "_run_control", unanswered)
+                    patch.setattr(connected, "run_control", unanswered)
                     with pytest.raises(SandboxTransportError):
-                        await rt._control(_kill_script([12345]), timeout=0.5)
+                        await rt._control(kill_script([12345]), timeout=0.5)
                 assert await rt.exists("nothing-here") is False  # the next call
         result = outcome["exec"]
         assert not isinstance(result, BaseException), result

@@ -34,7 +34,10 @@ from runtimes.models import Stream
 from runtimes.processes import UNCAPPED
 from runtimes.resources import byte_count
 
-from .cli_output import say
+from .commands import CommandFactory
+from .output import say
+from .shell import keep_config, kept_notices
+from .targets import parse_runtime
 
 T = TypeVar("T")
 
@@ -216,3 +219,66 @@ def run_exec(config: RuntimeConfig, args: argparse.Namespace) -> int:
             f"vf-sandbox: {exc} (the command was killed; raise it with --output-limit)", stderr=True
         )
         return EXIT_ERROR
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    with kept_notices():
+        config = with_image(parse_runtime(args.runtime), args.image)
+        return run_exec(keep_config(config, args.keep), args)
+
+
+def add_exec_command(command: CommandFactory) -> None:
+    """Register ``exec`` with ``build_parser``'s ``command``."""
+    exec_ = command(
+        "exec",
+        "run one command in a fresh sandbox",
+        "Run ARGV in a fresh sandbox, then remove it. Piped stdin is forwarded, output is\n"
+        "streamed as it comes. Exit: the command's code; 124 timeout, 126 not executable,\n"
+        "127 not found, 130 Ctrl-C, 2 usage, 1 other errors.\n\n"
+        "example: vf-sandbox exec --env A=1 -- sh -c 'echo $A'",
+    )
+    exec_.add_argument(
+        "--runtime",
+        default="subprocess",
+        help="a type name or a JSON config (default: %(default)s)",
+    )
+    exec_.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="kill the command's process tree after SECONDS (exit 124)",
+    )
+    exec_.add_argument(
+        "--env",
+        action="append",
+        type=parse_env,
+        metavar="NAME=VALUE",
+        help="set a variable for the command (repeatable)",
+    )
+    exec_.add_argument(
+        "--cwd", help="working directory: absolute, or relative to the sandbox workdir"
+    )
+    exec_.add_argument("--user", help="run as this user inside the sandbox")
+    exec_.add_argument(
+        "--image",
+        help="run in this image: sets the image of the --runtime config (docker, modal)",
+    )
+    exec_.add_argument(
+        "--output-limit",
+        type=parse_size,
+        metavar="SIZE",
+        help="kill the command once stdout + stderr pass SIZE (bytes, or 64KiB, 1GiB...; "
+        "default: no cap, the output is streamed, not kept; exit 1)",
+    )
+    exec_.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the sandbox running afterwards (its id and `vf-sandbox shell` on stderr)",
+    )
+    exec_.add_argument(
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="-- ARGV",
+        help="the command and its arguments, after the first --",
+    )
+    exec_.set_defaults(func=cmd_exec)

@@ -12,15 +12,17 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import anyio
 
 from runtimes import RuntimeConfig, SandboxError
-from runtimes.keep import shell_argv_for
+from runtimes.locate import shell_argv_for
 
-from .cli_output import TerminalSafeFormatter, say
+from .commands import CommandFactory
+from .output import TerminalSafeFormatter, say
+from .targets import runtime_targets
 
 EXIT_NO_SHELL = 1
 
@@ -35,7 +37,7 @@ SHELL_DESCRIPTION = (
 )
 
 
-def add_shell_command(command: Callable[..., argparse.ArgumentParser]) -> None:
+def add_shell_command(command: CommandFactory) -> None:
     """Register ``shell`` with ``command(name, summary, description)`` (``build_parser``'s)."""
     shell = command("shell", "open an interactive shell inside a sandbox", SHELL_DESCRIPTION)
     shell.add_argument("sandbox", metavar="ID", help="the sandbox's id, or a unique prefix of it")
@@ -54,9 +56,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
     Raises:
         SandboxInvalidArgumentError: a malformed ``--runtime`` (a usage error).
     """
-    from .cli import _targets
-
-    targets = _targets(args.runtime)
+    targets = runtime_targets(args.runtime)
     tty = sys.stdin.isatty()
     try:
         argv = anyio.run(lambda: shell_argv_for(args.sandbox, targets, tty=tty))

@@ -1,4 +1,4 @@
-"""``vf-sandbox doctor``'s probes: can each backend start a sandbox and run ``true``?
+"""``vf-sandbox doctor``: can each backend start a sandbox and run ``true``?
 
 Each probe runs in its own daemon thread with its own event loop, all at once. A
 backend whose client blocks in a library call that ignores cancellation (an SSH
@@ -8,6 +8,7 @@ waiting for it and reports it as not answering; the thread is abandoned at exit.
 
 from __future__ import annotations
 
+import argparse
 import signal
 import threading
 import time
@@ -16,6 +17,10 @@ from typing import Any
 import anyio
 
 from runtimes import SandboxError, available_runtimes, open_runtime
+
+from .commands import CommandFactory
+from .output import print_json, print_table, shorten
+from .targets import parse_runtime_target
 
 # Time a probe still gets after its timeout to close what it opened, before it is abandoned.
 CLOSE_GRACE = 2.0
@@ -119,3 +124,54 @@ def probe_all(targets: list[Target], timeout: float) -> list[dict[str, Any]]:
         row or _row(target, "unavailable", f"no answer within {timeout:g}s", started)
         for row, target in zip(list(rows), targets, strict=True)
     ]
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    requested = [parse_runtime_target(r) for r in args.runtime or []]
+    targets: list[str | dict[str, Any]] = requested or list(available_runtimes())
+    rows = probe_all(targets, args.timeout)
+    ok = [row["status"] == "ok" for row in rows]
+    code = 0 if (all(ok) if requested else any(ok)) else 1
+    if args.json:
+        names = [target_name(t) for t in requested]
+        print_json("doctor", {"requested": names, "timeout": args.timeout, "backends": rows})
+    else:
+        print_table(
+            ["backend", "package", "status", "seconds", "detail"],
+            [
+                (
+                    r["name"],
+                    r["package"] or "-",
+                    r["status"],
+                    f"{r['seconds']:.1f}",
+                    shorten(r["detail"], args.verbose),
+                )
+                for r in rows
+            ],
+        )
+    return code
+
+
+def add_doctor_command(command: CommandFactory) -> None:
+    """Register ``doctor`` with ``build_parser``'s ``command``."""
+    doctor = command(
+        "doctor",
+        "which backends work on this machine, and why not",
+        "Probe backends in parallel: start a sandbox and run `true` in it.\n"
+        "Exit 1 when a requested (--runtime) backend is unavailable; without --runtime,\n"
+        "every registered backend is probed and the exit is 1 only if none works.",
+        reporting=True,
+    )
+    doctor.add_argument(
+        "--runtime",
+        action="append",
+        help="probe only this backend: type name or JSON config (repeatable)",
+    )
+    doctor.add_argument(
+        "--timeout",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="per-backend bound (default: %(default)s)",
+    )
+    doctor.set_defaults(func=cmd_doctor)

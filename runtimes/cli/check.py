@@ -17,8 +17,10 @@ from runtimes import RuntimeConfig
 from runtimes.plugins import did_you_mean
 from runtimes.testing import CHECKS, Check, CheckOutcome, CheckSkipped, run_check
 
-from .cli_exec import Interrupted, run_interruptible
-from .cli_output import print_json, print_table, say, shorten
+from .commands import CommandFactory
+from .exec import Interrupted, run_interruptible
+from .output import print_json, print_table, say, shorten
+from .targets import parse_runtime
 
 
 def known_check(name: str) -> str:
@@ -92,3 +94,31 @@ def check_runtime(args: argparse.Namespace, config: RuntimeConfig) -> int:
         )
         say(f"\n{config.type}: {passed} passed, {failed} failed, {skipped} skipped")
     return 1 if failed or not outcomes else 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if args.list:
+        return print_check_list(args)
+    return check_runtime(args, parse_runtime(args.runtime))
+
+
+def add_check_command(command: CommandFactory) -> None:
+    """Register ``check`` with ``build_parser``'s ``command``."""
+    check = command("check", "run the conformance suite against a backend", reporting=True)
+    what = check.add_mutually_exclusive_group(required=True)
+    what.add_argument("--runtime", help="the backend to check: a type name or a JSON config")
+    what.add_argument("--list", action="store_true", help="list the check names and exit")
+    check.add_argument(
+        "--backend",
+        default="asyncio",
+        choices=["asyncio", "trio"],
+        help="async library to run the checks on (default: %(default)s)",
+    )
+    check.add_argument(
+        "--select",
+        action="append",
+        type=known_check,
+        metavar="CHECK",
+        help="run only this check (repeatable; names from --list)",
+    )
+    check.set_defaults(func=cmd_check)

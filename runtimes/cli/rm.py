@@ -10,15 +10,17 @@ was ambiguous or could not be removed (one line each on stderr), 0 otherwise.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from functools import partial
 
 import anyio
 
 from runtimes import RuntimeConfig, SandboxError
-from runtimes.keep import find_sandbox
+from runtimes.locate import find_sandbox
 
-from .cli_output import say
+from .commands import CommandFactory
+from .exec import run_interruptible
+from .output import say
+from .targets import runtime_targets
 
 EXIT_NOT_REMOVED = 1
 
@@ -30,7 +32,7 @@ RM_DESCRIPTION = (
 )
 
 
-def add_rm_command(command: Callable[..., argparse.ArgumentParser]) -> None:
+def add_rm_command(command: CommandFactory) -> None:
     """Register ``rm`` with ``command(name, summary, description)`` (``build_parser``'s)."""
     rm = command("rm", "remove sandboxes by id", RM_DESCRIPTION)
     rm.add_argument("sandboxes", nargs="+", metavar="ID", help="a sandbox id, or a unique prefix")
@@ -63,10 +65,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         SandboxInvalidArgumentError: a malformed ``--runtime`` (a usage error).
         Interrupted: Ctrl-C.
     """
-    from .cli import _targets
-    from .cli_exec import run_interruptible
-
-    targets = _targets(args.runtime)
+    targets = runtime_targets(args.runtime)
     code = 0
     for sandbox_id in args.sandboxes:
         try:

@@ -1,0 +1,7 @@
+"""``python -m runtimes.cli``: the ``vf-sandbox`` command."""
+
+import sys
+
+from .app import main
+
+sys.exit(main())
