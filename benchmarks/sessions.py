@@ -73,7 +73,7 @@ def _start_server(env: Environment, token: str) -> tuple[Any, int]:
         detach=True,
         init=True,
         ports=published,
-        labels=ownership.session_labels("docker", {"vf-sandbox.role": "benchmark-swerex"}),
+        labels=ownership.ownership_labels("docker", {"vf-sandbox.role": "benchmark-swerex"}),
     )
     try:
         container.reload()

@@ -191,7 +191,7 @@ class Environment:
             detach=True,
             network_mode="none",
             init=True,
-            labels=ownership.session_labels("docker", {"vf-sandbox.role": "benchmark-baseline"}),
+            labels=ownership.ownership_labels("docker", {"vf-sandbox.role": "benchmark-baseline"}),
         )
 
     def paramiko_client(self) -> Any:
@@ -775,12 +775,12 @@ def _still_there(client: Any, ids: list[str]) -> int:
 
 async def placement_section(env: Environment) -> tuple[str, list[Row]]:
     from harnesses.base import Trace
-    from placement.inputs import Snapshot, materialise, new_agent_id
+    from placement.inputs import JudgeInputs, materialise, new_agent_id
 
     rollout = Path(__file__).resolve().parent.parent / "examples" / "rollout"
     task = json.loads((rollout / "task.json").read_text())
     trace = Trace.model_validate_json((rollout / "trace.json").read_text())
-    snapshot = Snapshot.take(task, trace)
+    snapshot = JudgeInputs.take(task, trace)
     verdict_bytes = json.dumps({"score": 1.0, "reason": "benchmark"}).encode()
     n = env.options.n_placement
     configs = {k: v for k, v in env.configs().items() if not k.startswith(FAKE)}

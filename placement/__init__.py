@@ -25,7 +25,7 @@ from .errors import (
     VerdictInvalid,
     VerdictMissing,
 )
-from .inputs import INPUTS_ROOT, Snapshot, materialise, render_transcript
+from .inputs import INPUTS_ROOT, JudgeInputs, materialise, render_transcript
 from .run import AgentRun, JudgesHook, run_agent, run_judges
 from .specs import AgentSpec, JudgeSpec, load_judges
 
@@ -38,6 +38,7 @@ __all__ = [
     "JudgeBudgetExceeded",
     "JudgeCancelled",
     "JudgeError",
+    "JudgeInputs",
     "JudgeInputsTampered",
     "JudgeModelFailed",
     "JudgeModelUnresolved",
@@ -51,7 +52,6 @@ __all__ = [
     "PlacementConfigError",
     "PlacementError",
     "RecordInvalid",
-    "Snapshot",
     "VerdictInvalid",
     "VerdictMissing",
     "load_judges",

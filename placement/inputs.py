@@ -1,9 +1,9 @@
-"""Judge inputs: one snapshot of the rollout, materialised under ``/tmp/vf-agent/<id>/``.
+"""Judge inputs: one record of the rollout, materialised under ``/tmp/vf-agent/<id>/``.
 
-The snapshot (task, trace) is taken once, before any judge runs, as exact bytes: every
+The inputs (task, trace) are taken once, before any judge runs, as exact bytes: every
 judge reads the same ``task.json``, ``trace.json`` and ``transcript.md`` (rendered by
 :mod:`placement.transcript`, which no recorded content can escape). A malformed record is
-refused when the snapshot is taken (:class:`~placement.errors.RecordInvalid`). The input
+refused when the inputs are taken (:class:`~placement.errors.RecordInvalid`). The input
 directory never lives in the rollout's workdir (the world being judged). Its ``<id>`` is
 generated and validated, and the directory must be fresh: a planted file, directory or
 symlink — at ``/tmp/vf-agent`` itself or at ``<id>`` — is refused, and so is a
@@ -32,7 +32,7 @@ __all__ = [
     "INPUTS_ROOT",
     "INPUT_FILES",
     "VERDICT_FILE",
-    "Snapshot",
+    "JudgeInputs",
     "materialise",
     "new_agent_id",
     "render_transcript",
@@ -57,7 +57,7 @@ def validate_agent_id(agent_id: str) -> str:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class JudgeInputs:
     """The rollout as every judge sees it: exact bytes, taken once."""
 
     task: dict[str, Any]
@@ -66,8 +66,8 @@ class Snapshot:
     transcript_md: bytes
 
     @classmethod
-    def take(cls, task: dict[str, Any], trace: Trace) -> Snapshot:
-        """The snapshot of ``task`` and ``trace``, validated at the judging boundary
+    def take(cls, task: dict[str, Any], trace: Trace) -> JudgeInputs:
+        """The inputs of ``task`` and ``trace``, validated at the judging boundary
         (:func:`~placement.transcript.validate_record`).
 
         Raises:
@@ -99,9 +99,9 @@ class Snapshot:
 
 
 async def materialise(
-    runtime: Runtime, agent_id: str, snapshot: Snapshot, *, judge_gid: int | None = None
+    runtime: Runtime, agent_id: str, inputs: JudgeInputs, *, judge_gid: int | None = None
 ) -> str:
-    """Write the snapshot to a fresh ``/tmp/vf-agent/<agent_id>/``; return that directory.
+    """Write the inputs to a fresh ``/tmp/vf-agent/<agent_id>/``; return that directory.
 
     Every step is a file operation of the runtime (:meth:`~runtimes.base.Runtime.lstat`,
     ``mkdir``, ``write``), served by the channel agent where there is one: no program of
@@ -141,9 +141,9 @@ async def materialise(
             f"refusing judge inputs at {directory}: {INPUTS_ROOT} belongs to uid {root.uid}, "
             "not to root or the judge machinery's user"
         )
-    for name, data in snapshot.files().items():
+    for name, data in inputs.files().items():
         await runtime.write(f"{directory}/{name}", data)
-    for name, data in snapshot.files().items():
+    for name, data in inputs.files().items():
         info = await runtime.lstat(f"{directory}/{name}")
         if info.kind != "file" or info.links != 1 or info.uid != mine or info.size != len(data):
             raise InputTamperError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import string
 
-from .inputs import VERDICT_FILE, Snapshot
+from .inputs import VERDICT_FILE, JudgeInputs
 from .specs import JudgeSpec
 from .transcript import fenced
 
@@ -27,7 +27,7 @@ UNTRUSTED_INPUTS = (
 """The fixed preamble of every judge prompt about which parts are untrusted data."""
 
 
-def render_prompt(spec: JudgeSpec, snapshot: Snapshot, inputs_dir: str | None) -> str:
+def render_prompt(spec: JudgeSpec, inputs: JudgeInputs, inputs_dir: str | None) -> str:
     """The judge's prompt with its inputs and the verdict instructions filled in.
 
     The task and the transcript are inlined (a tool-less judge's, or a template's
@@ -35,8 +35,8 @@ def render_prompt(spec: JudgeSpec, snapshot: Snapshot, inputs_dir: str | None) -
     (:func:`~placement.transcript.fenced`), after the :data:`UNTRUSTED_INPUTS` preamble."""
     schema = json.dumps(spec.verdict_schema.model_json_schema(), indent=2)
     verdict_path = f"{inputs_dir}/{VERDICT_FILE}" if inputs_dir else ""
-    task = "\n".join(fenced(snapshot.task_json.decode(), "json")).rstrip("\n")
-    transcript = "\n".join(fenced(snapshot.transcript_md.decode(), "markdown")).rstrip("\n")
+    task = "\n".join(fenced(inputs.task_json.decode(), "json")).rstrip("\n")
+    transcript = "\n".join(fenced(inputs.transcript_md.decode(), "markdown")).rstrip("\n")
     values = {
         "inputs_dir": inputs_dir or "",
         "verdict_path": verdict_path,

@@ -4,7 +4,7 @@
 materialises the inputs, runs, collects the outputs before an owned sandbox is torn
 down, and records a failure onto the run's own trace before raising.
 
-:func:`run_judges` takes one input snapshot, stops what the policy left running in the
+:func:`run_judges` takes the judge inputs once, stops what the policy left running in the
 live sandbox, runs rollout-placed judges there one after another and clean-room judges
 concurrently in fresh sandboxes of their own, and fails the rollout with
 :class:`~placement.errors.JudgingFailed` when any judge fails.
@@ -64,7 +64,7 @@ from .errors import (
     as_judge_error,
 )
 from .guard import VerdictGuard
-from .inputs import INPUTS_ROOT, Snapshot, materialise, new_agent_id
+from .inputs import INPUTS_ROOT, JudgeInputs, materialise, new_agent_id
 from .judge_sandbox import (
     InputsCleanup,
     command_user,
@@ -116,14 +116,14 @@ async def run_agent(
     models: ModelTable,
     runtime: Runtime | None = None,
     policy: ModelEndpoint | None = None,
-    snapshot: Snapshot | None = None,
+    inputs: JudgeInputs | None = None,
     role: Role = "agent",
     pools: Sequence[RuntimePool] | None = None,
 ) -> AgentRun:
     """Run one agent (or judge) where its spec places it, and collect what it produced.
 
     Its harness, model name and API-key variable are checked before any sandbox work
-    (:func:`plan_agent`). For a :class:`JudgeSpec`, ``snapshot`` is required and the
+    (:func:`plan_agent`). For a :class:`JudgeSpec`, ``inputs`` is required and the
     verdict is collected and validated; every failure of a judge is one typed
     :class:`~placement.errors.JudgeError`, recorded on the run (``error``,
     ``error_type``, ``err.run``) and on its trace (``trace.metadata["failure"]``), then
@@ -141,7 +141,7 @@ async def run_agent(
 
     Raises:
         PlacementConfigError: rollout placement without a runtime for a harness that
-            needs one; a judge without a snapshot.
+            needs one; a judge without its inputs.
         JudgeModelUnresolved: (judges) an unknown model name, ``"policy"`` with no
             ``policy`` endpoint, or an unset API-key variable; before any sandbox work.
         JudgeSetupFailed: (judges) an invalid harness config, or installing it failed.
@@ -153,8 +153,8 @@ async def run_agent(
             (non-judge) harness, model or sandbox failed, as raised.
     """
     judge = isinstance(spec, JudgeSpec)
-    if judge and snapshot is None:
-        raise PlacementConfigError(f"judge {spec.name!r} needs the rollout snapshot")
+    if judge and inputs is None:
+        raise PlacementConfigError(f"judge {spec.name!r} needs the rollout's judge inputs")
     run = new_run(spec, "judge" if judge else role)
     try:
         plan = plan_agent(spec, models=models, runtime=runtime, policy=policy)
@@ -164,9 +164,7 @@ async def run_agent(
         error = as_judge_error(spec.name, exc)
         _record_failure(run, error, None)
         raise error from exc
-    await _execute(
-        spec, task, run, plan, runtime=runtime, snapshot=snapshot, role=role, pools=pools
-    )
+    await _execute(spec, task, run, plan, runtime=runtime, inputs=inputs, role=role, pools=pools)
     return run
 
 
@@ -242,7 +240,7 @@ async def _execute(
     plan: AgentPlan,
     *,
     runtime: Runtime | None,
-    snapshot: Snapshot | None,
+    inputs: JudgeInputs | None,
     role: Role,
     pools: Sequence[RuntimePool] | None = None,
     fork: SandboxSnapshot | None = None,
@@ -275,13 +273,13 @@ async def _execute(
             judge_ids = None
             if judge is not None and target is not None:
                 judge_ids = await judge_account(target)
-            if target is not None and snapshot is not None:
+            if target is not None and inputs is not None:
                 # registered before the directory exists: a cancellation while it is being
                 # made still removes it
                 cleanup = InputsCleanup(target, f"{INPUTS_ROOT}/{run.agent_id}", in_rollout)
                 stack.push_async_exit(cleanup)
                 gid = None if judge_ids is None else judge_ids[1]
-                inputs_dir = await materialise(target, run.agent_id, snapshot, judge_gid=gid)
+                inputs_dir = await materialise(target, run.agent_id, inputs, judge_gid=gid)
             harness = open_harness(with_input_env(plan.harness, inputs_dir))
             if role == "policy" and target is not None:
                 harness = for_policy(harness, target)
@@ -306,8 +304,8 @@ async def _execute(
                 await harness.setup(target)
             prompt: str | Sequence[dict[str, Any]] = task
             if judge is not None:
-                assert snapshot is not None
-                prompt = render_prompt(judge, snapshot, inputs_dir)
+                assert inputs is not None
+                prompt = render_prompt(judge, inputs, inputs_dir)
             run.trace = await harness.run(
                 prompt, runtime=target, model=plan.endpoint, budget=spec.budget
             )
@@ -449,12 +447,12 @@ async def run_judges(
     failures: dict[int, JudgeError] = {}
     plans = _plan_judges(specs, runs, failures, models=models, runtime=runtime, policy=policy)
     try:
-        snapshot = None if failures else _snapshot(specs, runs, failures, task, trace)
+        inputs = None if failures else _judge_inputs(specs, runs, failures, task, trace)
         if failures:
             _not_started(specs, runs, failures)
-        elif snapshot is not None:
+        elif inputs is not None:
             await _judge_all(
-                specs, runs, plans, failures, runtime, snapshot,
+                specs, runs, plans, failures, runtime, inputs,
                 deadline=deadline, on_done=on_done, pools=pools,
             )  # fmt: skip
     finally:
@@ -488,17 +486,17 @@ def _plan_judges(
     return plans
 
 
-def _snapshot(
+def _judge_inputs(
     specs: Sequence[JudgeSpec],
     runs: Sequence[AgentRun],
     failures: dict[int, JudgeError],
     task: dict[str, Any],
     trace: Trace,
-) -> Snapshot | None:
-    """The judges' input snapshot; a malformed record fails every judge with
+) -> JudgeInputs | None:
+    """The judges' inputs; a malformed record fails every judge with
     :class:`~placement.errors.JudgeRecordInvalid` (in ``failures``, on each run)."""
     try:
-        return Snapshot.take(task, trace)
+        return JudgeInputs.take(task, trace)
     except RecordInvalid as exc:
         for index, spec in enumerate(specs):
             error = as_judge_error(spec.name, exc)
@@ -524,7 +522,7 @@ async def _judge_all(
     plans: Sequence[AgentPlan],
     failures: dict[int, JudgeError],
     runtime: Runtime | None,
-    snapshot: Snapshot,
+    inputs: JudgeInputs,
     *,
     deadline: float | None,
     on_done: Callable[[AgentRun], None] | None,
@@ -545,7 +543,7 @@ async def _judge_all(
         try:
             await _execute(
                 specs[index], "", runs[index], plans[index],
-                runtime=runtime, snapshot=snapshot, role="judge", pools=pools, fork=fork,
+                runtime=runtime, inputs=inputs, role="judge", pools=pools, fork=fork,
             )  # fmt: skip
         except JudgeError as exc:
             failures[index] = exc

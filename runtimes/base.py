@@ -105,7 +105,7 @@ class Runtime(FileOperations, HostRouting, Snapshotting, Keeping, Listing):
         """Process groups whose kill could not be delivered (the sandbox was paused, the
         transport failed): killed before the next command, or before a borrowed sandbox
         is let go."""
-        self._channel: ChannelSupervisor | None = None
+        self._channel_supervisor: ChannelSupervisor | None = None
         self._channel_built = False
         self._snapshot_source: SandboxSnapshot | None = None
 

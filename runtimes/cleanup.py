@@ -93,7 +93,7 @@ def _should_sweep(
             age = (_dt.datetime.now(_dt.UTC) - created).total_seconds()
             if age > older_than:
                 return True, f"older than {older_than:g}s ({age:.0f}s)"
-    dead = ownership.session_is_dead(labels)
+    dead = ownership.creator_is_dead(labels)
     if dead:
         return True, "session is dead"
     if dead is None:
@@ -206,7 +206,7 @@ class _Sweep:
         if self.match and any(labels.get(key) != value for key, value in self.match.items()):
             return []
         sweep, reason = _should_sweep(labels, self.all_sessions, self.older_than, self.kept)
-        own = labels.get(ownership.SESSION) == ownership.SESSION_ID
+        own = labels.get(ownership.CREATOR) == ownership.CREATOR_ID
         if not sweep or (own and not self.all_sessions and not ownership.is_kept(labels)):
             return [SweepResult(info, "kept", reason, kind)]
         if self.dry_run:

@@ -64,7 +64,9 @@ class Snapshotting(Accounts):
             source=str(self.sandbox_id),
             workdir=self.workdir,
             policy_user=self._prepared_policy_user(),
-            python=self._channel.interpreter if self._channel is not None else None,
+            python=self._channel_supervisor.interpreter
+            if self._channel_supervisor is not None
+            else None,
         )
         with anyio.CancelScope(shield=True), self._guard("snapshot"):
             taken = await self._snapshot(tags)

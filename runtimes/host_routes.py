@@ -53,7 +53,7 @@ class HostRouting(Guarded):
         kind = choose_route(self._all_host_routes(), via, self.describe(), self._route_hint())
         with self._guard("exposing a host port"):
             if kind == "channel":
-                return await channel_route(self._require_channel(), port)
+                return await channel_route(self._require_supervisor(), port)
             return await self._expose_host(port, kind)
 
     def _all_host_routes(self) -> tuple[RouteKind, ...]:

@@ -504,14 +504,14 @@ async def _sweep_ended_evals() -> list[SweepResult]:
     results = [r for r in first if r.action == "removed" or _session_of(r) not in ended]
     for backend, session in ended:
         swept = await cleanup_sandboxes(
-            [backend], match={**_MADE_HERE, ownership.SESSION: session}, kept=True
+            [backend], match={**_MADE_HERE, ownership.CREATOR: session}, kept=True
         )
         results += [_as_ended_eval(result) for result in swept]
     return results
 
 
 def _session_of(result: SweepResult) -> tuple[str, str]:
-    return result.info.backend, result.info.labels.get(ownership.SESSION, "")
+    return result.info.backend, result.info.labels.get(ownership.CREATOR, "")
 
 
 def _spared_only_as_kept(result: SweepResult) -> bool:
@@ -520,8 +520,8 @@ def _spared_only_as_kept(result: SweepResult) -> bool:
     return (
         result.action == "kept"
         and ownership.is_kept(labels)
-        and bool(labels.get(ownership.SESSION))
-        and ownership.session_is_dead(labels) is True
+        and bool(labels.get(ownership.CREATOR))
+        and ownership.creator_is_dead(labels) is True
     )
 
 

@@ -44,7 +44,7 @@ class Keeping:
     keep_supported: ClassVar[bool] = False
     """Whether this backend can keep its sandboxes: its ``_close`` and ``_close_at_exit``
     release only host-side resources while ``self._keep``, and its sandboxes carry
-    ``ownership.session_labels(..., keep=config.keep)``. Others refuse ``keep=True``."""
+    ``ownership.ownership_labels(..., keep=config.keep)``. Others refuse ``keep=True``."""
 
     _keep: bool = False
     """Whether ``close()`` leaves the sandbox: set by ``start()`` once a ``keep=True``

@@ -1,10 +1,15 @@
 """Who owns a sandbox: the labels every backend puts on what it creates.
 
-A *session* is one Python process using the suite. Every sandbox it creates carries
-labels naming the session, the host and the process (pid plus its start time, so a
-recycled pid is not mistaken for the owner). ``vf-sandbox cleanup`` uses them to find
-sandboxes whose session is dead. A sandbox created with ``keep=True`` also carries
-:data:`KEEP`: it outlives its session on purpose, and only an explicit removal takes it.
+The *creator* is the Python process that created a sandbox. Every sandbox carries labels
+naming the owner (``user@host``), the creator (:data:`CREATOR_ID`, one id per process), the
+host and the process (pid plus its start time, so a recycled pid is not mistaken for the
+creator). ``vf-sandbox cleanup`` uses them to find sandboxes whose creator is dead. A sandbox
+created with ``keep=True`` also carries :data:`KEEP`: it outlives its creator on purpose, and
+only an explicit removal takes it.
+
+The creator's label key is ``vf-sandbox.session``, and ``ls --json`` calls the field
+``session``: both are kept from earlier releases so that sandboxes they created are still
+recognised and scripts reading the JSON keep working.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Mapping
 
 LABEL_PREFIX = "vf-sandbox."
 OWNER = LABEL_PREFIX + "owner"
-SESSION = LABEL_PREFIX + "session"
+CREATOR = LABEL_PREFIX + "session"
 CREATED = LABEL_PREFIX + "created"
 HOST = LABEL_PREFIX + "host"
 PID = LABEL_PREFIX + "pid"
@@ -26,7 +31,7 @@ PID_START = LABEL_PREFIX + "pid-start"
 BACKEND = LABEL_PREFIX + "backend"
 KEEP = LABEL_PREFIX + "keep"
 
-SESSION_ID = uuid.uuid4().hex
+CREATOR_ID = uuid.uuid4().hex
 
 
 def proc_stat_fields(pid: int) -> list[bytes] | None:
@@ -55,13 +60,13 @@ def _owner() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def session_labels(
+def ownership_labels(
     backend: str, extra: Mapping[str, str] | None = None, *, keep: bool = False
 ) -> dict[str, str]:
     """Labels for a sandbox created now by this process (``keep``: one that close() keeps)."""
     labels = {
         OWNER: _owner(),
-        SESSION: SESSION_ID,
+        CREATOR: CREATOR_ID,
         CREATED: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         HOST: socket.gethostname(),
         PID: str(os.getpid()),
@@ -81,13 +86,13 @@ def is_kept(labels: Mapping[str, str]) -> bool:
     return labels.get(KEEP) == "true"
 
 
-def session_is_dead(labels: Mapping[str, str]) -> bool | None:
-    """Whether the session that created a sandbox has ended.
+def creator_is_dead(labels: Mapping[str, str]) -> bool | None:
+    """Whether the process that created a sandbox (its creator) has ended.
 
     ``None`` when it cannot be known from here (created on another host, or labels
     missing); callers treat that as alive unless told otherwise.
     """
-    if labels.get(SESSION) == SESSION_ID:
+    if labels.get(CREATOR) == CREATOR_ID:
         return False
     if labels.get(HOST) != socket.gethostname():
         return None

@@ -82,7 +82,7 @@ class Primitives(abc.ABC):
     _mark: str
     _workdir: str | None
     _orphans: set[int]
-    _channel: ChannelSupervisor | None
+    _channel_supervisor: ChannelSupervisor | None
     _channel_built: bool
 
     @abc.abstractmethod
@@ -105,7 +105,7 @@ class Primitives(abc.ABC):
             self._channel_built = True
             hooks = self._channel_hooks()
             if hooks is not None:
-                self._channel = ChannelSupervisor(
+                self._channel_supervisor = ChannelSupervisor(
                     self._channel_wanted(),
                     self.describe,
                     hooks,
@@ -113,14 +113,14 @@ class Primitives(abc.ABC):
                     kill_wait=self._channel_kill_wait(),
                     first_interpreter=self._channel_first_interpreter(),
                 )
-        return self._channel
+        return self._channel_supervisor
 
     def _channel_first_interpreter(self) -> str | None:
         """The absolute interpreter the first agent starts from (``None``: ``sh`` finds
         ``python3``)."""
         return None
 
-    def _require_channel(self) -> ChannelSupervisor:
+    def _require_supervisor(self) -> ChannelSupervisor:
         channel = self._supervisor
         if channel is None:
             raise HostRouteError(f"{self.describe()} has no channel", via="channel")
@@ -161,13 +161,13 @@ class Primitives(abc.ABC):
             await channel.start()
 
     async def _close_channel(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
+        if self._channel_supervisor is not None:
+            await self._channel_supervisor.close()
 
     def _close_channel_now(self) -> None:
         """Blocking close of the channel, for :meth:`_close_at_exit`."""
-        if self._channel is not None:
-            self._channel.close_now()
+        if self._channel_supervisor is not None:
+            self._channel_supervisor.close_now()
 
     def _check_request(self, request: ExecRequest) -> None:
         """Refuse, before either path sees it, what the plain path would refuse in its own

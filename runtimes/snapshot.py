@@ -128,7 +128,7 @@ def snapshot_labels(
     """Every label of a snapshot taken now by this process. Each snapshot key is set, empty
     when it says nothing, and ``keep`` is ``"true"`` or ``"false"``: a Docker commit merges
     the container's labels (a fork's, which carry its snapshot's) under these."""
-    labels = ownership.session_labels(backend, extra, keep=keep)
+    labels = ownership.ownership_labels(backend, extra, keep=keep)
     labels[ownership.KEEP] = "true" if keep else "false"
     labels.update(
         {

@@ -295,7 +295,7 @@ def test_docker_cli_exec_keep_shell_and_dead_session(kept_containers: list[str])
         return {r.info.id: r for r in await cleanup_sandboxes(["docker"], dry_run=True)}
 
     swept = anyio.run(sweep)
-    assert ownership.session_is_dead(swept[container_id].info.labels) is True
+    assert ownership.creator_is_dead(swept[container_id].info.labels) is True
     assert swept[container_id].action == "kept"
     listed = json.loads(cli("ls", "--json", "--runtime", "docker").stdout)
     assert [s["kept"] for s in listed["sandboxes"] if s["id"] == container_id] == [True]
@@ -381,8 +381,8 @@ def test_modal_shell_is_refused_with_modals_own_command() -> None:
 
 def test_keep_is_not_the_default() -> None:
     assert SubprocessRuntime.config_model().keep is False
-    assert ownership.KEEP not in ownership.session_labels("x")
-    assert ownership.is_kept(ownership.session_labels("x", keep=True))
+    assert ownership.KEEP not in ownership.ownership_labels("x")
+    assert ownership.is_kept(ownership.ownership_labels("x", keep=True))
 
 
 # ---------------------------------------------------------------------- modal (the fake)

@@ -237,7 +237,7 @@ def test_guide_plugin_is_listed_and_swept(tinybox: type[Runtime], box_root: Path
             [info] = await tinybox.list_sandboxes(rt.config)
             assert info.id == rt.sandbox_id and info.id in rt.describe()
             assert info.backend == "tinybox"
-            assert info.labels[ownership.SESSION] == ownership.SESSION_ID
+            assert info.labels[ownership.CREATOR] == ownership.CREATOR_ID
             assert info.created == info.labels[ownership.CREATED]
             # this session's sandbox is kept by a plain cleanup, removed by --all
             kept = await cleanup_sandboxes([config])

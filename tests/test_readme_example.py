@@ -109,7 +109,7 @@ def test_example_runs_on_docker(
     monkeypatch.chdir(_workspace(tmp_path))
 
     client = docker.from_env()
-    label = {"label": f"{ownership.SESSION}={ownership.SESSION_ID}"}
+    label = {"label": f"{ownership.CREATOR}={ownership.CREATOR_ID}"}
     try:
         before = {c.id for c in client.containers.list(all=True, filters=label)}
         anyio.run(namespace["main"], config)

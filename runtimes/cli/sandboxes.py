@@ -67,7 +67,7 @@ def _shown_id(result: SweepResult) -> str:
 
 
 def _listed(info: SandboxInfo) -> dict[str, Any]:
-    dead = ownership.session_is_dead(info.labels)
+    dead = ownership.creator_is_dead(info.labels)
     return {
         "backend": info.backend,
         "id": info.id,

@@ -339,7 +339,7 @@ def _wait_until_removed(api: Any, container_id: str, describe: str) -> None:
 def list_labelled_blocking(api: Any, backend: str) -> list[SandboxInfo]:
     """Every container carrying the ``vf-sandbox.session`` label on the engine (blocking)."""
     found = []
-    for entry in api.containers(all=True, filters={"label": ownership.SESSION}):
+    for entry in api.containers(all=True, filters={"label": ownership.CREATOR}):
         labels = {str(k): str(v) for k, v in (entry.get("Labels") or {}).items()}
         found.append(
             SandboxInfo(

@@ -177,7 +177,7 @@ def container_options(
     """The engine's create options for an owned sandbox (``fork``: from a snapshot's image,
     whose labels the container inherits under its own)."""
     name = f"{cfg.name_prefix}-{uuid.uuid4().hex[:12]}"
-    labels = ownership.session_labels(backend, cfg.labels, keep=cfg.keep)
+    labels = ownership.ownership_labels(backend, cfg.labels, keep=cfg.keep)
     if fork:  # never kept because its snapshot was
         labels[ownership.KEEP] = "true" if cfg.keep else "false"
     options: dict[str, Any] = {

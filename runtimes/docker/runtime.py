@@ -265,8 +265,12 @@ class DockerRuntime(Runtime):
         # docker-init (whose child, the keep-alive, dies with the rest: the container stops).
         # Without docker-init, PID 1 is the keep-alive loop, which would start a new
         # `sleep` from the sandbox's files: then close() removes the container itself.
-        if self._removes_container() and self._init_is_pid1 and self._channel is not None:
-            self._halted = await self._channel.halt()
+        if (
+            self._removes_container()
+            and self._init_is_pid1
+            and self._channel_supervisor is not None
+        ):
+            self._halted = await self._channel_supervisor.halt()
         await super()._close_channel()
 
     async def _close(self) -> None:

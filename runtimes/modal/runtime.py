@@ -235,7 +235,7 @@ class ModalRuntime(ModalExec, ModalFiles):
 
     def _tags(self) -> dict[str, str]:
         extra = {**self.config.labels, **self.config.tags}
-        labels = ownership.session_labels(self.name, extra, keep=self.config.keep)
+        labels = ownership.ownership_labels(self.name, extra, keep=self.config.keep)
         return {key: value for key, value in labels.items() if value}
 
     async def _start(self) -> str:

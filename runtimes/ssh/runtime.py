@@ -170,7 +170,7 @@ class SSHRuntime(ConnectedRuntime):
         conn = await self._thread(self._open_connection)
         self._conn = conn
         meta = {
-            "labels": ownership.session_labels(
+            "labels": ownership.ownership_labels(
                 self.name, self.config.labels, keep=self.config.keep
             ),
             "destination": self.config.destination,

@@ -123,7 +123,7 @@ class SubprocessRuntime(Runtime):
             st = os.lstat(self._dir)
             self._identity = (st.st_dev, st.st_ino)
             meta: dict[str, object] = {
-                "labels": ownership.session_labels(
+                "labels": ownership.ownership_labels(
                     self.name, self.config.labels, keep=self.config.keep
                 ),
                 "mark": self._mark,

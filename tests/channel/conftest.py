@@ -40,7 +40,7 @@ def no_python_image(docker_client: Any) -> Iterator[str]:  # noqa: F811
         ["sh", "-c", "rm -f /usr/bin/python3* /usr/local/bin/python3*"],
         detach=True,
         network_mode="none",
-        labels=ownership.session_labels("docker", {"vf-sandbox.role": "channel-test-image"}),
+        labels=ownership.ownership_labels("docker", {"vf-sandbox.role": "channel-test-image"}),
     )
     try:
         assert container.wait(timeout=60)["StatusCode"] == 0

@@ -43,10 +43,10 @@ def docker_client() -> Iterator[object]:
         client.close()
 
 
-def session_containers(client: object, session_id: str = ownership.SESSION_ID) -> list[object]:
+def session_containers(client: object, session_id: str = ownership.CREATOR_ID) -> list[object]:
     """Containers (any state) labelled with ``session_id``."""
     found: list[object] = client.containers.list(  # type: ignore[attr-defined]
-        all=True, filters={"label": f"{ownership.SESSION}={session_id}"}
+        all=True, filters={"label": f"{ownership.CREATOR}={session_id}"}
     )
     return found
 

@@ -35,7 +35,7 @@ _CHILD = textwrap.dedent(
         async with anyio.create_task_group() as tg:
             for rt in runtimes:
                 tg.start_soon(rt.start)
-        print("READY", ownership.SESSION_ID, flush=True)
+        print("READY", ownership.CREATOR_ID, flush=True)
         if close == "wait":
             await anyio.sleep(600)
 
@@ -93,7 +93,7 @@ async def test_sigkilled_session_leaves_labelled_containers_that_cleanup_removes
     assert len(left) == 5, "SIGKILL skips every backstop: the labels are what is left"
     for container in left:
         assert container.labels[ownership.PID] == str(child.process.pid)
-        assert ownership.session_is_dead(container.labels) is True
+        assert ownership.creator_is_dead(container.labels) is True
 
     listed = {info.id for info in await DockerRuntime.list_sandboxes()}
     assert {c.id for c in left} <= listed
@@ -103,7 +103,7 @@ async def test_sigkilled_session_leaves_labelled_containers_that_cleanup_removes
     assert {c.id for c in left} <= removed
     assert session_containers(docker_client, child.session_id) == []
     kept = {
-        r.info.id for r in results if r.info.labels.get(ownership.SESSION) == ownership.SESSION_ID
+        r.info.id for r in results if r.info.labels.get(ownership.CREATOR) == ownership.CREATOR_ID
     }
     assert all(r.action == "kept" for r in results if r.info.id in kept), "live sessions stay"
 

@@ -28,7 +28,7 @@ async def test_owned_container_carries_labels_and_settings(
         assert rt.sandbox_id is not None
         container = docker_client.containers.get(rt.sandbox_id)
         labels = container.labels
-        assert labels[ownership.SESSION] == ownership.SESSION_ID
+        assert labels[ownership.CREATOR] == ownership.CREATOR_ID
         assert labels[ownership.BACKEND] == "docker"
         assert labels[ownership.OWNER] and labels[ownership.CREATED]
         assert labels["team"] == "rl"

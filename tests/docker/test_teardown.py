@@ -18,7 +18,7 @@ import pytest
 
 from runtimes import SandboxError, drain_removals, open_runtime
 from runtimes.cleanup import cleanup_sandboxes
-from runtimes.ownership import SESSION
+from runtimes.ownership import CREATOR
 from runtimes.reaper import pending_removals
 from tests.docker.conftest import session_containers
 from tests.processes import running_anywhere, sleep_token
@@ -201,7 +201,7 @@ _CHILD = textwrap.dedent(
                 tg.start_soon(rt.start)
         for rt in runtimes:
             await rt.exec(["sh", "-c", f"nohup sleep {sys.argv[3]} >/dev/null 2>&1 &"])
-        print(ownership.SESSION_ID, flush=True)
+        print(ownership.CREATOR_ID, flush=True)
         for rt in runtimes:
             await rt.close()
         if end == "killed":
@@ -241,7 +241,7 @@ async def test_a_process_killed_after_close_left_no_process_and_labels_for_the_s
     code, session = await anyio.to_thread.run_sync(run_child, 4, "killed", token)
     assert code == -signal.SIGKILL, session
     assert running_anywhere(token) == [], "every close() had killed its sandbox's processes"
-    left = docker_client.api.containers(all=True, filters={"label": f"{SESSION}={session}"})
+    left = docker_client.api.containers(all=True, filters={"label": f"{CREATOR}={session}"})
     assert len(left) <= 4
     await cleanup_sandboxes(["docker"])
     assert session_containers(docker_client, session) == []

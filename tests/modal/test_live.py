@@ -134,7 +134,7 @@ def test_live_tagged_sandboxes_are_listed_and_destroyed() -> None:
             found = {i.id: i for i in await ModalRuntime.list_sandboxes(config)}
             assert rt.sandbox_id in found
             info = found[rt.sandbox_id]
-            assert info.labels[ownership.SESSION] == ownership.SESSION_ID
+            assert info.labels[ownership.CREATOR] == ownership.CREATOR_ID
             assert info.labels[ownership.BACKEND] == "modal"
             await ModalRuntime.destroy_sandbox(info, config)
             handle = await _real_modal().Sandbox.from_id.aio(rt.sandbox_id)

@@ -95,7 +95,7 @@ def test_create_blocks_network_bounds_lifetime_and_tags_at_creation(
     assert interfaces.split() == ["lo"], "a blocked sandbox has no network interface but lo"
     assert call.kwargs["timeout"] == 3600 and call.kwargs["idle_timeout"] == 900
     assert call.kwargs["tags"] == tags, "tags are set in the create call itself"
-    assert tags[ownership.SESSION] == ownership.SESSION_ID
+    assert tags[ownership.CREATOR] == ownership.CREATOR_ID
     assert tags[ownership.BACKEND] == "modal" and tags[ownership.PID] == str(os.getpid())
     assert tags["team"] == "rl"
 

@@ -16,7 +16,7 @@ import pytest
 from harnesses.base import Budget, Trace
 from harnesses.scripted import bash_call, http_error, reply
 from placement import errors as PE
-from placement.inputs import Snapshot
+from placement.inputs import JudgeInputs
 from placement.run import run_agent, run_judges
 from placement.specs import JudgeSpec
 from runtimes import open_runtime
@@ -236,7 +236,7 @@ async def test_all_judges_see_the_same_snapshot(
     )
     async with open_runtime(backend) as rt:
         runs = await run_judges(specs, task=TASK, trace=policy_trace, models=models, runtime=rt)
-    snap = Snapshot.take(TASK, policy_trace)
+    snap = JudgeInputs.take(TASK, policy_trace)
     expected = hashlib.sha256(snap.task_json + snap.transcript_md + snap.trace_json).hexdigest()
     assert {r.verdict["digest"] for r in runs if r.verdict} == {expected[:16]}
 
@@ -264,5 +264,5 @@ async def test_run_agent_needs_a_runtime_for_rollout_placement(
     models = scripted_models({"j": []})
     with pytest.raises(PE.PlacementConfigError, match="no rollout runtime"):
         await run_agent(
-            bash_judge("j"), "", models=models, snapshot=Snapshot.take(TASK, policy_trace)
+            bash_judge("j"), "", models=models, inputs=JudgeInputs.take(TASK, policy_trace)
         )

@@ -15,7 +15,7 @@ from harnesses.errors import SessionVerifyError
 from harnesses.scripted import bash_call, reply
 from harnesses.session import AgentSessionFactory
 from placement.errors import PlacementConfigError
-from placement.inputs import Snapshot
+from placement.inputs import JudgeInputs
 from placement.run import run_judges
 from placement.specs import AgentSpec, JudgeSpec, load_judges
 from placement.verifier import JudgeVerifier
@@ -74,7 +74,7 @@ async def test_judge_runs_and_their_usage_land_on_the_rollout_trace(
         }
     )
     trace = policy_turn_trace()
-    before = Snapshot.take(TASK, trace)
+    before = JudgeInputs.take(TASK, trace)
     async with open_runtime(backend) as runtime:
         runs = await run_judges(
             [bash_judge("files"), null_judge("replies")],
@@ -97,7 +97,7 @@ async def test_judge_runs_and_their_usage_land_on_the_rollout_trace(
     assert trace.usage.total_tokens == 10  # the policy's own usage is untouched
     assert trace.total_usage.total_tokens == 327
     # A later judging's inputs show the policy's run, not these judges' runs and verdicts.
-    assert Snapshot.take(TASK, trace) == before
+    assert JudgeInputs.take(TASK, trace) == before
     # It survives the trip through JSON (trace.json of a recorded rollout).
     again = Trace.model_validate_json(trace.model_dump_json())
     assert again.extra_usage == trace.extra_usage

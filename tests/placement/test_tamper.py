@@ -16,7 +16,7 @@ import pytest
 from harnesses.base import Trace
 from harnesses.scripted import bash_call, reply
 from placement import errors as PE
-from placement.inputs import INPUTS_ROOT, Snapshot, materialise, validate_agent_id
+from placement.inputs import INPUTS_ROOT, JudgeInputs, materialise, validate_agent_id
 from placement.run import run_judges
 from placement.specs import JudgeSpec
 from runtimes import open_runtime
@@ -70,7 +70,7 @@ async def test_a_verdict_without_the_spy_would_have_been_planted(
     async with open_runtime(backend) as rt:
         await rt.exec(["sh", "-c", SPY])
         directory = f"{INPUTS_ROOT}/ctrl-{secrets.token_hex(8)}"
-        await rt.write(f"{directory}/task.json", Snapshot.take(TASK, trace).task_json)
+        await rt.write(f"{directory}/task.json", JudgeInputs.take(TASK, trace).task_json)
         # the spy rewrites the file every 20 ms (truncate, then write): a read can land
         # between the two, so look a few times
         planted = b""
@@ -102,7 +102,7 @@ async def test_planted_id_directory_is_refused(backend: dict[str, Any]) -> None:
         await rt.write(f"{INPUTS_ROOT}/{agent_id}/verdict.json", b'{"passed": true}')
         try:
             with pytest.raises(PE.InputTamperError, match="already exists"):
-                await materialise(rt, agent_id, Snapshot.take(TASK, trace))
+                await materialise(rt, agent_id, JudgeInputs.take(TASK, trace))
         finally:
             await rt.remove(f"{INPUTS_ROOT}/{agent_id}")
 

@@ -14,7 +14,7 @@ from harnesses.base import ToolResult, Trace, TraceError, Turn, utc_now
 from harnesses.llm import ChatReply, ToolCall, Usage
 from harnesses.scripted import ScriptedError, ScriptedReply, ScriptFile, load_script_file
 from placement.errors import PlacementConfigError, RecordInvalid
-from placement.inputs import Snapshot
+from placement.inputs import JudgeInputs
 from placement.rollout import load_rollout, scripted_models
 from placement.specs import JudgeSpec
 from placement.traces import load_trace, trace_from_messages
@@ -94,7 +94,7 @@ def test_a_messages_rollout_gives_judges_the_policy_messages(tmp_path: Path) -> 
     (tmp_path / "trace.json").write_text(json.dumps({"harness": "trl", "messages": CONVERSATION}))
     rollout = load_rollout(tmp_path)
     assert [len(t.request_messages) for t in rollout.trace.turns] == [2, 6]
-    transcript = Snapshot.take(TASK, rollout.trace).transcript_md.decode()
+    transcript = JudgeInputs.take(TASK, rollout.trace).transcript_md.decode()
     for seen in ("I will write it.", "cat > fizzbuzz.py", "WROTE-FILE", "1 2 FIZZ", "Is it done?",
                  "DONE-AND-TESTED"):  # fmt: skip
         assert seen in transcript, seen
@@ -139,7 +139,7 @@ def test_messages_after_the_last_reply_are_a_last_turn_not_dropped() -> None:
     trace = trace_from_messages([*CONVERSATION, {"role": "user", "content": "LAST-WORD"}])
     last = trace.turns[-1]
     assert last.reply is None and last.request_messages[-1]["content"] == "LAST-WORD"
-    assert "LAST-WORD" in Snapshot.take(TASK, trace).transcript_md.decode()
+    assert "LAST-WORD" in JudgeInputs.take(TASK, trace).transcript_md.decode()
     only_prompt = trace_from_messages([{"role": "user", "content": "hi"}])
     assert [len(t.request_messages) for t in only_prompt.turns] == [1]
     assert trace_from_messages([]).turns == []

@@ -71,7 +71,7 @@ async def test_acquire_hands_out_distinct_started_containers_removed_after_their
         await pool.wait_ready()
         labelled = pool_containers(docker_client, pool.id)
         assert len(labelled) == 2
-        assert all(c.labels[ownership.SESSION] == ownership.SESSION_ID for c in labelled)
+        assert all(c.labels[ownership.CREATOR] == ownership.CREATOR_ID for c in labelled)
 
         async def use() -> None:
             async with pool.acquire() as rt:
@@ -145,7 +145,7 @@ _CHILD = textwrap.dedent(
         async with RuntimePool(config, size=3) as pool:
             held = await pool.take()  # an acquired sandbox, and a replacement
             await pool.wait_ready()
-            print("READY", ownership.SESSION_ID, pool.id, held.sandbox_id, flush=True)
+            print("READY", ownership.CREATOR_ID, pool.id, held.sandbox_id, flush=True)
             await anyio.sleep(600)
 
     anyio.run(main)
@@ -175,12 +175,12 @@ async def test_a_sigkilled_holder_leaves_only_labelled_containers_that_cleanup_r
         child.wait(timeout=30)
 
         by_session = docker_client.containers.list(
-            all=True, filters={"label": f"{ownership.SESSION}={session}"}
+            all=True, filters={"label": f"{ownership.CREATOR}={session}"}
         )
         assert len(by_session) == 4, "3 ready and the acquired one: SIGKILL skips every backstop"
         assert {c.labels.get(POOL) for c in by_session} == {pool_id}
         assert held in {c.id for c in by_session}
-        assert all(ownership.session_is_dead(c.labels) is True for c in by_session)
+        assert all(ownership.creator_is_dead(c.labels) is True for c in by_session)
 
         results = await cleanup_sandboxes(["docker"])
         removed = {r.info.id for r in results if r.action == "removed"}
@@ -191,6 +191,6 @@ async def test_a_sigkilled_holder_leaves_only_labelled_containers_that_cleanup_r
             child.kill()
         if session:
             for container in docker_client.containers.list(
-                all=True, filters={"label": f"{ownership.SESSION}={session}"}
+                all=True, filters={"label": f"{ownership.CREATOR}={session}"}
             ):
                 container.remove(force=True)

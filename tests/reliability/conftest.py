@@ -200,9 +200,9 @@ def docker_client() -> Iterator[Any]:
         client.close()
 
 
-def session_containers(client: Any, session_id: str = ownership.SESSION_ID) -> list[Any]:
+def session_containers(client: Any, session_id: str = ownership.CREATOR_ID) -> list[Any]:
     found: list[Any] = client.containers.list(
-        all=True, filters={"label": f"{ownership.SESSION}={session_id}"}
+        all=True, filters={"label": f"{ownership.CREATOR}={session_id}"}
     )
     return found
 

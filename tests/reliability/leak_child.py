@@ -86,7 +86,7 @@ async def _hold_all(configs: list[dict[str, Any]], count: int, mark: str) -> Non
         for config in configs:
             group.start_soon(_hold_backend, config, count, mark, send)
         backends = [await receive.receive() for _ in configs]
-        report = {"session": ownership.SESSION_ID, "backends": backends}
+        report = {"session": ownership.CREATOR_ID, "backends": backends}
         print(json.dumps(report), flush=True)
         await anyio.sleep(600)
         group.cancel_scope.cancel()

@@ -130,8 +130,8 @@ async def _list_backend(config: dict[str, Any], session: str) -> _Listing:
     cls, cfg, infos = await list_target(resolve_runtime_config(config))
     snapshots = await cls.list_snapshots(cfg)
     return _Listing(
-        {i.id: dict(i.labels) for i in infos if i.labels.get(ownership.SESSION) == session},
-        {s.id for s in snapshots if s.labels.get(ownership.SESSION) == session},
+        {i.id: dict(i.labels) for i in infos if i.labels.get(ownership.CREATOR) == session},
+        {s.id for s in snapshots if s.labels.get(ownership.CREATOR) == session},
     )
 
 
@@ -232,7 +232,7 @@ def _find_stock(held: dict[str, _Held], listed: dict[str, _Listing]) -> None:
 def _sweep_after_failure(configs: dict[str, dict[str, Any]], session: str) -> None:
     """A failed test leaves the dead session's leftovers: remove them (in this process)."""
     targets = [resolve_runtime_config(config) for config in configs.values()]
-    match = {ownership.SESSION: session}
+    match = {ownership.CREATOR: session}
     anyio.run(lambda: cleanup_sandboxes(targets, match=match))
 
 

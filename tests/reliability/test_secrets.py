@@ -31,7 +31,7 @@ from harnesses.base import Trace
 from harnesses.llm import ModelTable
 from harnesses.proxy import ModelProxy, ProxyRun
 from harnesses.scripted import ScriptedEndpoint, bash_call, reply
-from placement.inputs import Snapshot
+from placement.inputs import JudgeInputs
 from placement.run import run_judges
 from placement.specs import JudgeSpec
 from runtimes import SandboxError, open_runtime, resolve_runtime_config
@@ -249,7 +249,7 @@ async def _model_scenarios(tmp_path: Path, ev: Evidence, found: dict[str, str]) 
                     ev.add(f"trace {run.name}", run.trace.model_dump_json())
                     ev.add(
                         f"transcript {run.name}",
-                        Snapshot.take({"id": "t"}, run.trace).transcript_md.decode(),
+                        JudgeInputs.take({"id": "t"}, run.trace).transcript_md.decode(),
                     )
                 if run.error:
                     ev.add(f"error {run.name}", run.error)
@@ -329,7 +329,9 @@ async def _proxy_scenarios(
         async with open_runtime({"type": "subprocess"}) as rt:
             trace = await harness.run("do it", runtime=rt, model=endpoint)
             ev.add("installed trace", trace.model_dump_json())
-            ev.add("installed transcript", Snapshot.take({"id": "t"}, trace).transcript_md.decode())
+            ev.add(
+                "installed transcript", JudgeInputs.take({"id": "t"}, trace).transcript_md.decode()
+            )
             assert trace.ok, trace.error
             upstream.extend([reply("x")] * 3)
             budget_trace = await harness.run("again", runtime=rt, model=endpoint, budget=None)

@@ -91,7 +91,7 @@ async def measure(config: dict[str, Any], mode: str) -> dict[str, Any]:
     received = [0]
     rt: Any
     async with open_runtime(config) as rt:
-        chan = rt._channel._channel
+        chan = rt._channel_supervisor._channel
         assert chan is not None
         original = chan._transport.recv
 

@@ -195,7 +195,7 @@ async def test_a_forged_frame_on_the_stream_is_a_typed_error_and_the_channel_is_
     authentication: every request in flight fails typed, later calls take the plain path."""
     rt: Any
     async with open_runtime(hostile.config) as rt:
-        chan = rt._channel._channel
+        chan = rt._channel_supervisor._channel
         assert chan is not None
         transport = chan._transport
         original = transport.recv

@@ -33,7 +33,7 @@ from harnesses.base import ToolResult, Trace, TraceError, Turn, utc_now
 from harnesses.errors import SessionVerifyError
 from harnesses.llm import ChatReply, ToolCall
 from placement.errors import RecordInvalid, VerdictInvalid
-from placement.inputs import Snapshot
+from placement.inputs import JudgeInputs
 from placement.run import AgentRun
 from placement.specs import JudgeSpec
 from placement.verdicts import read_file_verdict, read_reply_verdict
@@ -153,7 +153,7 @@ def _escaped(text: str) -> str:
 def test_no_content_makes_a_line_outside_the_data_fences(
     task: dict[str, Any], trace: Trace
 ) -> None:
-    transcript = Snapshot.take(task, trace).transcript_md.decode("utf-8")
+    transcript = JudgeInputs.take(task, trace).transcript_md.decode("utf-8")
     assert structure_violations(transcript) == []
     bodies = [_flat(body) for body in parse(transcript).fences]
     for turn in trace.turns:
@@ -175,7 +175,7 @@ def test_any_recorded_request_renders_or_is_record_invalid(
     turn.request_messages.extend(messages)  # as a caller mutating a trace would: no validation
     trace = Trace(harness="bash", turns=[turn])
     try:
-        transcript = Snapshot.take({"prompt": "p"}, trace).transcript_md.decode("utf-8")
+        transcript = JudgeInputs.take({"prompt": "p"}, trace).transcript_md.decode("utf-8")
     except RecordInvalid:
         return
     assert structure_violations(transcript) == []

@@ -25,7 +25,7 @@ import yaml
 
 from placement import traces
 from placement.errors import RecordInvalid
-from placement.inputs import Snapshot
+from placement.inputs import JudgeInputs
 from placement.traces import load_trace, trace_from_messages
 
 pytestmark = pytest.mark.attack(18)
@@ -113,7 +113,9 @@ def test_what_is_accepted_reaches_the_judges_whole() -> None:
         {"role": "assistant", "content": "done",
          "reasoning": [{"type": "text", "text": marks[10]}]},
     ]  # fmt: skip
-    transcript = Snapshot.take(TASK, load_trace(json.dumps({"messages": messages}))).transcript_md
+    transcript = JudgeInputs.take(
+        TASK, load_trace(json.dumps({"messages": messages}))
+    ).transcript_md
     missing = [m for m in marks if m.encode() not in transcript]
     assert not missing, missing
 

@@ -31,7 +31,7 @@ async def _snapshot(config: dict[str, Any], keep: bool) -> dict[str, Any]:
     snap = await runtime.snapshot(keep=keep)
     return {
         "snapshot": snap.model_dump(mode="json"),
-        "session": ownership.SESSION_ID,
+        "session": ownership.CREATOR_ID,
         "sandbox": runtime.sandbox_id,
     }
 

@@ -124,7 +124,7 @@ async def test_the_image_is_in_use_while_a_fork_runs_and_forks_are_never_kept(
     try:
         labels = docker_api.inspect_image(snap.id)["Config"]["Labels"]
         assert labels[SNAPSHOT] and labels["team"] == "rl" and labels[ownership.KEEP] == "true"
-        assert labels[ownership.SESSION] == ownership.SESSION_ID
+        assert labels[ownership.CREATOR] == ownership.CREATOR_ID
         async with open_runtime(DockerConfig(), snapshot=snap) as fork:
             container = docker_api.inspect_container(fork.sandbox_id)["Config"]["Labels"]
             assert container[ownership.KEEP] == "false", "a kept snapshot makes no kept forks"

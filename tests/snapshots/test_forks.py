@@ -120,7 +120,7 @@ async def test_a_removed_snapshot_is_not_listed_and_cannot_be_opened(backend: Ba
     listed = await _listed(backend)
     assert snap.id in listed, "a snapshot outlives its source"
     assert listed[snap.id].source == snap.source and not listed[snap.id].kept
-    assert listed[snap.id].labels[ownership.SESSION] == ownership.SESSION_ID
+    assert listed[snap.id].labels[ownership.CREATOR] == ownership.CREATOR_ID
     assert snap in held_snapshots(), "removed at exit unless removed before"
     await remove_snapshot(snap)
     await remove_snapshot(snap, backend.config)  # gone already is fine
@@ -140,7 +140,7 @@ async def test_cleanup_removes_the_snapshot_of_a_sigkilled_holder(backend: Backe
         taken = SandboxSnapshot.model_validate(said["snapshot"])
         listed = await _listed(backend)
         assert taken.id in listed, "SIGKILL skips every backstop: the labels are what is left"
-        assert ownership.session_is_dead(listed[taken.id].labels) is True
+        assert ownership.creator_is_dead(listed[taken.id].labels) is True
 
         results = await cleanup_sandboxes([backend.config])
         mine = {(r.kind, r.info.id): r for r in results}

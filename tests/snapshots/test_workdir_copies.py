@@ -123,7 +123,7 @@ def test_the_cli_lists_snapshots_and_cleanup_removes_a_dead_sessions(tmp_path: P
     assert [(s["id"], s["session"], s["holds"], s["source"]) for s in snapshots] == [
         (said["snapshot"]["id"], "dead", "workdir", said["sandbox"])
     ]
-    assert snapshots[0]["labels"][ownership.SESSION] == said["session"]
+    assert snapshots[0]["labels"][ownership.CREATOR] == said["session"]
     table = subprocess.run(
         [*cli, "ls", "--runtime", runtime], cwd=REPO, capture_output=True, text=True
     )

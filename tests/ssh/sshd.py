@@ -155,7 +155,7 @@ class SSHServer:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> SSHServer:
-        labels = ownership.session_labels("docker", {"vf-sandbox.role": "ssh-test-server"})
+        labels = ownership.ownership_labels("docker", {"vf-sandbox.role": "ssh-test-server"})
         container = DockerContainer(IMAGE, labels=labels).with_env(
             "AUTHORIZED_KEY", self.key.public_line
         )

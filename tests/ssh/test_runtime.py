@@ -229,7 +229,7 @@ async def test_sweep_removes_dead_sessions_only(sshd: SSHServer) -> None:
     async with open_runtime(config) as live:
         listed = {info.id: info for info in await SSHRuntime.list_sandboxes(config)}
         assert dead in listed and live.sandbox_id in listed
-        assert listed[live.sandbox_id].labels[ownership.SESSION] == ownership.SESSION_ID
+        assert listed[live.sandbox_id].labels[ownership.CREATOR] == ownership.CREATOR_ID
         assert listed[dead].labels[ownership.BACKEND] == "ssh"
 
         results = {r.info.id: r for r in await cleanup_sandboxes([config])}

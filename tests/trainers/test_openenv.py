@@ -66,7 +66,7 @@ USER = [{"role": "user", "content": tiny_model.TASK}]
 
 def our_containers() -> set[str]:
     listing = subprocess.run(
-        ["docker", "ps", "-aq", "--filter", f"label={ownership.SESSION}={ownership.SESSION_ID}"],
+        ["docker", "ps", "-aq", "--filter", f"label={ownership.CREATOR}={ownership.CREATOR_ID}"],
         capture_output=True,
         text=True,
     )
