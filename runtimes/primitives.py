@@ -37,7 +37,7 @@ from .errors import (
     error_for_errno,
 )
 from .models import ExecRequest, OutputSink
-from .sweep import MARK_VAR, ORPHAN_KILL_SCRIPT
+from .sweep import MARK_VAR, kill_argv
 
 log = logging.getLogger("runtimes")
 
@@ -279,9 +279,7 @@ class Primitives(abc.ABC):
             SandboxError: the kill could not be delivered.
         """
         mark = f"{MARK_VAR}={self._mark}"
-        request, sink = self._internal(
-            ["sh", "-c", ORPHAN_KILL_SCRIPT, "sh", mark, *map(str, sorted(pgids))]
-        )
+        request, sink = self._internal(kill_argv(pgids, mark=mark))
         await self._exec(request, sink)
 
     def _keeps_sandbox(self) -> bool:

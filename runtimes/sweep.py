@@ -7,9 +7,19 @@ what is left of them with the sweep (``scripts/sweep.sh``: freeze, then kill).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from .scripts import load
 
-__all__ = ["CLOCK_TICK_SCRIPT", "MARK_VAR", "ORPHAN_KILL_SCRIPT", "SWEEP_SCRIPT", "sweep_argv"]
+__all__ = [
+    "CLOCK_TICK_SCRIPT",
+    "KILL_SCRIPT",
+    "MARK_VAR",
+    "SWEEP_SCRIPT",
+    "kill_args",
+    "kill_argv",
+    "sweep_argv",
+]
 
 MARK_VAR = "VF_SANDBOX_RUNTIME"
 """The environment variable that carries a runtime's mark into every command it starts."""
@@ -22,9 +32,22 @@ CLOCK_TICK_SCRIPT = load("clock_tick")
 """Prints the start time (clock ticks since boot) of the shell running it: every process
 started later has a start time at least this large (the ``since:T`` sweep mode)."""
 
-ORPHAN_KILL_SCRIPT = load("kill_orphans")
-"""Kills process groups whose leader still carries a mark (``$1``: ``NAME=value``; then the
-group ids): a kill retried later must not hit a process that reused the id."""
+KILL_SCRIPT = load("kill")
+"""The one kill every backend runs in a sandbox (``scripts/kill.sh``): SIGKILL to each group's
+leader, then the group; with ``--mark``, only groups whose leader still carries the mark."""
+
+
+def kill_argv(pgids: Iterable[int], *, mark: str | None = None) -> list[str]:
+    """The argv of one :data:`KILL_SCRIPT` run: kill these process groups (each leader's pid
+    first); ``mark`` (``NAME=value``): only those whose leader's environment still carries it,
+    so a kill retried later cannot hit a process that reused the id."""
+    return ["sh", "-c", KILL_SCRIPT, "sh", *kill_args(pgids, mark=mark)]
+
+
+def kill_args(pgids: Iterable[int], *, mark: str | None = None) -> list[str]:
+    """The positional arguments of :data:`KILL_SCRIPT` (see :func:`kill_argv`)."""
+    guard = ["--mark", mark] if mark is not None else []
+    return [*guard, *(str(int(pgid)) for pgid in sorted(set(pgids)))]
 
 
 def sweep_argv(

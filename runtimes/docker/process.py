@@ -26,8 +26,7 @@ from ..errors import (
     no_such_user,
 )
 from ..models import ExecRequest, OutputSink
-from ..scripts import load
-from ..sweep import ORPHAN_KILL_SCRIPT
+from ..sweep import kill_argv
 from ..wrapper import ReportReader, WrapperReport, argv_size, new_nonce, wrapper_argv
 from .client import (
     KILL_WAIT,
@@ -355,9 +354,6 @@ async def _exit_code(
     return int(code)
 
 
-_KILL_GROUP = load("kill_group", "runtimes.docker.scripts")
-
-
 async def kill_group(ref: ContainerRef, pgid: int) -> bool:
     """Kill a command's process group inside the container and wait for the kill; whether
     it was delivered (a failure is logged: the caller retries it before the next command).
@@ -367,7 +363,7 @@ async def kill_group(ref: ContainerRef, pgid: int) -> bool:
     stream, so the kill's own exit could wait behind it.
     """
     try:
-        await kill_as_root(ref, ["sh", "-c", _KILL_GROUP, "sh", str(pgid)])
+        await kill_as_root(ref, kill_argv([pgid]))
     except SandboxError as exc:
         log.warning(
             "could not kill process group %s in %s (retried before the next command): %s",
@@ -386,7 +382,7 @@ async def kill_orphan_groups(ref: ContainerRef, mark: str, pgids: frozenset[int]
     Raises:
         SandboxError: the kill could not be delivered.
     """
-    await kill_as_root(ref, ["sh", "-c", ORPHAN_KILL_SCRIPT, "sh", mark, *map(str, sorted(pgids))])
+    await kill_as_root(ref, kill_argv(pgids, mark=mark))
 
 
 DEATH_WATCH = 3.0

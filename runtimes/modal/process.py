@@ -17,6 +17,7 @@ from ..errors import ExecTimeoutError, argument_list_too_long
 from ..models import ExecRequest, MiB, OutputSink
 from ..scripts import load
 from ..stdin_feed import feed_stdin
+from ..sweep import kill_argv
 from ..wrapper import CONTROL_DIR, ReportReader, argv_size, new_nonce, spool_argv, wrapper_argv
 from .client import KILL_TIMEOUT, SdkRuntime, pump_output, sdk_call
 
@@ -33,9 +34,6 @@ DRAIN_AFTER_KILL = 10.0
 
 _KILL_SCRIPT = load("kill_group", "runtimes.modal.scripts")
 """Kills the process group of one exec nonce (``scripts/kill_group.sh``)."""
-
-_KILL_PGID_SCRIPT = load("kill_pgid", "runtimes.modal.scripts")
-"""Kills one process group by id (``scripts/kill_pgid.sh``)."""
 
 
 class _AgentProcess(ChannelTransport):
@@ -89,7 +87,7 @@ class ModalExec(SdkRuntime):
 
     async def _kill_group_plainly(self, pgid: int) -> None:
         """The channel's fallback kill, when its agent died holding a process group."""
-        request, sink = self._internal(["sh", "-c", _KILL_PGID_SCRIPT, "sh", str(pgid)])
+        request, sink = self._internal(kill_argv([pgid]))
         await self._exec(request, sink)
 
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:

@@ -21,6 +21,7 @@ from ..models import SandboxInfo
 from ..scripts import load
 from ..snapshot import SandboxSnapshot, snapshot_from_labels
 from ..subprocess import tree_copy
+from ..sweep import kill_args
 from .client import CHUNK, answer_within, connect
 from .config import SSHConfig
 from .faults import paramiko_failures
@@ -43,11 +44,12 @@ class ControlScript(NamedTuple):
 
     name: str
     args: tuple[str, ...] = ()
+    package: str = _SCRIPTS
 
     @property
     def command(self) -> str:
         """The command line for the login shell: ``sh -c <script> sh <args>...``."""
-        return shlex.join(["sh", "-c", load(self.name, _SCRIPTS), "sh", *self.args])
+        return shlex.join(["sh", "-c", load(self.name, self.package), "sh", *self.args])
 
 
 def setup_script(
@@ -68,17 +70,12 @@ def snapshot_script(workdir: str) -> ControlScript:
     return ControlScript("snapshot", args)
 
 
-def kill_script(pgids: Iterable[int]) -> ControlScript:
-    """Kill process groups: each leader's pid first (the wrapper reports it before setsid()
-    makes it a group), then the group."""
-    targets = [(str(int(pgid)), f"-{int(pgid)}") for pgid in sorted(set(pgids))]
-    return ControlScript("kill", tuple(arg for pair in targets for arg in pair))
-
-
-def orphan_kill_script(pgids: Iterable[int], marker: str) -> ControlScript:
-    """Kill each process group whose leader's environment carries the marker."""
-    groups = tuple(str(int(pgid)) for pgid in sorted(set(pgids)))
-    return ControlScript("orphan_kill", (f"{MARKER_VAR}={marker}", *groups))
+def kill_script(pgids: Iterable[int], marker: str | None = None) -> ControlScript:
+    """Kill process groups with the one kill (``runtimes/scripts/kill.sh``): each leader's pid
+    first (the wrapper reports it before setsid() makes it a group), then the group; with
+    ``marker``, only groups whose leader's environment still carries it."""
+    args = kill_args(pgids, mark=None if marker is None else f"{MARKER_VAR}={marker}")
+    return ControlScript("kill", tuple(args), package="runtimes.scripts")
 
 
 def remove_script(directory: str, marker: str | None, home: str | None) -> ControlScript:

@@ -45,7 +45,6 @@ from .control import (
     kill_script,
     list_host_sandboxes,
     list_host_snapshots,
-    orphan_kill_script,
     remove_script,
     run_control,
     setup_script,
@@ -523,7 +522,7 @@ class SSHRuntime(ConnectedRuntime):
             SandboxError: the kill could not be delivered.
         """
         assert self._marker is not None
-        await self._control(orphan_kill_script(pgids, self._marker), timeout=self._kill_wait)
+        await self._control(kill_script(pgids, self._marker), timeout=self._kill_wait)
 
     # ------------------------------------------------------------------ files
 
