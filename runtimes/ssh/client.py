@@ -337,10 +337,14 @@ class Connection:
         self.transport = transport
         self.io_timeout = io_timeout
         self.broken = False
+        self.closing = False
+        """Set first thing by :meth:`close`: a call that fails from here on failed because the
+        connection is going, whatever paramiko says (an SFTP read on a closed channel raises
+        a bare ``OSError("Socket is closed")`` while the transport is still up)."""
         self._sftp: paramiko.SFTPClient | None = None
 
     def usable(self) -> bool:
-        return not self.broken and self.transport.is_active()
+        return not self.broken and not self.closing and self.transport.is_active()
 
     def sftp(self) -> paramiko.SFTPClient:
         import paramiko
@@ -358,9 +362,10 @@ class Connection:
 
     def sftp_closed(self) -> bool:
         channel = self._sftp.get_channel() if self._sftp is not None else None
-        return channel is not None and channel.closed
+        return self.closing or (channel is not None and channel.closed)
 
     def close(self) -> None:
+        self.closing = True
         if self._sftp is not None:
             with contextlib.suppress(OSError, EOFError):
                 self._sftp.close()

@@ -273,3 +273,36 @@ async def test_a_control_command_left_unanswered_leaves_the_connection_to_its_ca
         assert not isinstance(result, BaseException), result
         assert result.stdout == "through\n"  # type: ignore[attr-defined]
         assert rt._conn is conn and conn.usable()
+
+
+async def test_an_sftp_call_cut_off_by_close_is_the_connections_failure(
+    sshd: SSHServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close that lands while an SFTP call runs: the call fails typed, as the connection's
+    failure, never as the server refusing that one operation.
+
+    ``Connection.close`` closes the SFTP client first and then the transport; between the
+    two, paramiko answers the call in flight with a bare ``OSError("Socket is closed")``
+    while the transport is still up. Read with the table alone that is a refusal
+    (``SandboxError``: what the soak found, once, in CI). Here the transport is held up for
+    the whole call, so the window is always open."""
+    import types
+
+    async with open_runtime(sshd.config(channel=False)) as rt:
+        assert isinstance(rt, SSHRuntime)
+        await rt.write("f", b"x")
+        conn = rt._conn
+        assert conn is not None
+        # The transport part of close() does nothing while the call runs.
+        monkeypatch.setattr(conn.transport, "sock", types.SimpleNamespace(shutdown=id))
+        monkeypatch.setattr(conn.transport, "join", lambda *args: None)
+        monkeypatch.setattr(conn.transport, "is_alive", lambda: True)
+
+        def read_as_close_begins(sftp: object, path: str) -> object:
+            conn.close()
+            assert conn.transport.is_active()
+            return sftp.stat(path)  # type: ignore[attr-defined]
+
+        with pytest.raises(SandboxTransportError, match="connection failed during sftp"):
+            await rt._sftp_call(read_as_close_begins, rt.resolve_path("f"))
+        monkeypatch.undo()
