@@ -6,9 +6,22 @@ SDK is imported when that backend is used.
 
 from __future__ import annotations
 
+from .backend import (
+    Backend,
+    CreateRequest,
+    FileFastPath,
+    HostRouter,
+    MemoryKillProbe,
+    ProcessSweeper,
+    SandboxLister,
+    ShellOpener,
+    Snapshotter,
+    TreeFastPath,
+)
 from .base import Runtime, live_runtimes
 from .channel.agent.wire import PathInfo
 from .cleanup import cleanup_sandboxes, remove_snapshot
+from .composed import runtime_class
 from .config import RuntimeConfig, RuntimeConfigError
 from .errors import (
     BuildContextError,
@@ -55,20 +68,26 @@ from .subprocess import SubprocessConfig, SubprocessRuntime
 from .sync import BlockingCallInEventLoopError, SyncRuntime, SyncShellSession, open_runtime_sync
 
 __all__ = [
+    "Backend",
     "BlockingCallInEventLoopError",
     "BuildContextError",
     "ChannelTamperedError",
     "CommandFailedError",
+    "CreateRequest",
     "ExecRequest",
     "ExecResult",
     "ExecTimeoutError",
+    "FileFastPath",
     "FileInfo",
+    "HostRouter",
     "ListingLimitExceededError",
+    "MemoryKillProbe",
     "OutputLimitExceededError",
     "OutputSink",
     "PathInfo",
     "PoolClosedError",
     "PoolTimeoutError",
+    "ProcessSweeper",
     "ProvisioningError",
     "Runtime",
     "RuntimeConfig",
@@ -81,6 +100,7 @@ __all__ = [
     "SandboxInfo",
     "SandboxInvalidArgumentError",
     "SandboxIsADirectoryError",
+    "SandboxLister",
     "SandboxNoSpaceError",
     "SandboxNotADirectoryError",
     "SandboxPermissionError",
@@ -91,14 +111,17 @@ __all__ = [
     "SandboxUnavailableError",
     "SandboxUserNotFoundError",
     "SandboxUserRefusedError",
+    "ShellOpener",
     "ShellSessionError",
     "SnapshotNotFoundError",
     "SnapshotUnsupportedError",
+    "Snapshotter",
     "State",
     "SubprocessConfig",
     "SubprocessRuntime",
     "SyncRuntime",
     "SyncShellSession",
+    "TreeFastPath",
     "UnknownRuntimeError",
     "UnsafeArchiveMemberError",
     "available_runtimes",
@@ -112,5 +135,6 @@ __all__ = [
     "open_runtime_sync",
     "remove_snapshot",
     "resolve_runtime_config",
+    "runtime_class",
     "runtime_is_local",
 ]

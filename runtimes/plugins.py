@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Generic, TypeVar, cast
@@ -36,6 +36,9 @@ class PluginGroup(Generic[T]):
 
     ``kind`` names them in messages ("runtime", "harness"); ``unknown_error`` is raised
     for a name nobody registered, ``plugin_error`` for a plugin that cannot be loaded.
+    ``adapt`` is ``(other, convert)``: a subclass of ``other`` is accepted too, as
+    ``convert`` makes it into a subclass of ``base`` (the runtime registry composes a
+    :class:`runtimes.Runtime` around a :class:`runtimes.Backend`).
     """
 
     def __init__(
@@ -46,12 +49,14 @@ class PluginGroup(Generic[T]):
         *,
         unknown_error: type[Exception],
         plugin_error: type[Exception],
+        adapt: tuple[type[Any], Callable[[Any], type[Any]]] | None = None,
     ):
         self.group = group
         self.kind = kind
         self.base = base
         self._unknown_error = unknown_error
         self._plugin_error = plugin_error
+        self._adapt = adapt
         self._loaded: dict[str, type[Any]] = {}
         self._lock = threading.Lock()
 
@@ -94,8 +99,11 @@ class PluginGroup(Generic[T]):
                 f"{where} failed to import: {type(exc).__name__}: {exc}"
             ) from exc
         if not (isinstance(loaded, type) and issubclass(loaded, self.base)):
-            base = f"{self.base.__module__.split('.')[0]}.{self.base.__name__}"
-            raise self._plugin_error(f"{where} is not a {base} subclass")
+            other, convert = self._adapt or (None, None)
+            if other is None or convert is None or not _subclass(loaded, other):
+                bases = " or ".join(_qualified(b) for b in (self.base, other) if b is not None)
+                raise self._plugin_error(f"{where} is not a {bases} subclass")
+            loaded = convert(loaded)
         with self._lock:
             self._loaded[name] = loaded
         return cast("type[T]", loaded)
@@ -104,6 +112,14 @@ class PluginGroup(Generic[T]):
         """Forget loaded classes (tests that install plugins on the fly use it)."""
         with self._lock:
             self._loaded.clear()
+
+
+def _subclass(loaded: object, base: type[Any]) -> bool:
+    return isinstance(loaded, type) and issubclass(loaded, base)
+
+
+def _qualified(base: type[Any]) -> str:
+    return f"{base.__module__.split('.')[0]}.{base.__name__}"
 
 
 def _distribution(ep: EntryPoint) -> str:

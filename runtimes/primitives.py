@@ -323,14 +323,28 @@ class Primitives(abc.ABC):
         inside the sandbox, shielded, then let the cancellation propagate.
         """
 
-    @abc.abstractmethod
     async def _read(self, path: str, limit: int) -> bytes:
         """Read a file. May return more than ``limit`` bytes (the caller raises), or raise
-        ``OutputLimitExceededError`` itself without transferring the content."""
+        ``OutputLimitExceededError`` itself without transferring the content.
 
-    @abc.abstractmethod
+        The default is the generic plain path: ``head -c`` through :meth:`_routed_exec`
+        (one byte over ``limit``, so the caller can tell a file over it)."""
+        request, sink = self._internal(["head", "-c", str(limit + 1), "--", path], limit=limit + 1)
+        if await self._routed_exec(request, sink) != 0:
+            raise shell_error(path, sink)
+        return bytes(sink.stdout)
+
     async def _write(self, path: str, data: bytes) -> None:
-        """Write a file, creating parents."""
+        """Write a file in place (mode kept, a symlink written through), creating parents.
+
+        The default is the generic plain path: ``mkdir -p`` and ``cat`` through
+        :meth:`_routed_exec`."""
+        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+        request, sink = self._internal(["sh", "-c", script, "sh", path], stdin=data)
+        if await self._routed_exec(request, sink) != 0:
+            if b"file exists" in bytes(sink.stderr).lower():  # mkdir -p met a file
+                raise error_for_errno(errno.ENOTDIR, path, "a parent is a file")
+            raise shell_error(path, sink)
 
     async def _exists(self, path: str) -> bool:
         request, sink = self._internal(["sh", "-c", 'test -e "$1" || test -L "$1"', "sh", path])

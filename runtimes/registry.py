@@ -13,7 +13,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from .backend import Backend
 from .base import Runtime
+from .composed import runtime_class
 from .config import RuntimeConfig, RuntimeConfigError, config_error_from_validation
 from .errors import SandboxError
 from .plugins import Plugin, PluginGroup
@@ -38,6 +40,7 @@ RUNTIMES: PluginGroup[Runtime] = PluginGroup(
     Runtime,
     unknown_error=UnknownRuntimeError,
     plugin_error=RuntimePluginError,
+    adapt=(Backend, runtime_class),
 )
 
 
@@ -51,8 +54,9 @@ def load_runtime_class(type_name: str) -> type[Runtime]:
 
     Raises:
         UnknownRuntimeError: nothing is registered under that name.
-        RuntimePluginError: the plugin raised on import or is not a Runtime subclass;
-            the message names the plugin's distribution.
+        RuntimePluginError: the plugin raised on import or is neither a Runtime nor a
+            :class:`~runtimes.backend.Backend` subclass (whose runtime is composed:
+            :func:`~runtimes.composed.runtime_class`); the message names its distribution.
     """
     return RUNTIMES.load(type_name)
 

@@ -97,7 +97,7 @@ def guide_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (project / name).parent.mkdir(parents=True, exist_ok=True)
         (project / name).write_text(text)
     _dist, entry_points = _write_dist_info(project, files["pyproject.toml"])
-    assert entry_points == {"tinybox": "vf_sandbox_tinybox:TinyboxRuntime"}
+    assert entry_points == {"tinybox": "vf_sandbox_tinybox:TinyboxBackend"}
     return project
 
 
@@ -132,7 +132,7 @@ def _subprocess_env(guide_project: Path, tmp: Path) -> dict[str, str]:
 def test_registry_finds_the_guide_plugin(tinybox: type[Runtime], guide_project: Path) -> None:
     found = available_runtimes()["tinybox"]
     assert (found.value, found.distribution) == (
-        "vf_sandbox_tinybox:TinyboxRuntime",
+        "vf_sandbox_tinybox:TinyboxBackend",
         "vf-sandbox-tinybox",
     )
     assert tinybox.__module__ == "vf_sandbox_tinybox"

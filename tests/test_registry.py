@@ -1,5 +1,7 @@
 """Configs and the plugin registry: resolution, validation errors, broken plugins."""
 
+import pathlib
+
 import anyio
 import pytest
 
@@ -74,3 +76,27 @@ def test_open_runtime_returns_unstarted_runtime() -> None:
     rt = open_runtime("subprocess")
     assert isinstance(rt, SubprocessRuntime)
     assert not rt.closed
+
+
+def test_a_plugin_that_is_neither_a_runtime_nor_a_backend_is_refused_by_name(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry point naming some other class: a typed error naming the distribution and
+    both classes a runtime plugin may be, not a runtime that fails later."""
+    import importlib
+
+    from runtimes.registry import RUNTIMES, load_runtime_class
+
+    dist = tmp_path / "vf_sandbox_stray-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vf-sandbox-stray\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[vf_sandbox.runtimes]\nstray = json:JSONDecoder\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    RUNTIMES.clear_cache()
+    with pytest.raises(
+        RuntimePluginError,
+        match=r"'vf-sandbox-stray'.* is not a runtimes\.Runtime or "
+        r"runtimes\.Backend subclass",
+    ):
+        load_runtime_class("stray")

@@ -1,10 +1,11 @@
 """A minimal third-party backend, written only against the public plugin contract.
 
-It runs commands as local processes (like the built-in subprocess runtime) but moves
-every file through ``exec`` (``cat``, ``mkdir``), implementing only the abstract
-primitives of :class:`runtimes.Runtime` and relying on the base class's exec-based
-defaults for ``exists``, ``remove``, ``upload`` and ``download``. That makes it the
-proof that a plugin built this way passes the conformance suite.
+It runs commands as local processes (like the built-in subprocess runtime) and implements
+only the five methods of :class:`runtimes.Backend`, declaring no capability: every file
+operation (``read``, ``write``, ``exists``, ``remove``, ``upload``, ``download``) goes
+through the runtime's generic plain path over ``spawn``, and the runtime sweeps what its
+commands leave running. That makes it the proof that a backend built this way passes the
+conformance suite.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from typing import Literal
 import anyio
 import anyio.abc
 
-from runtimes import ExecRequest, OutputSink, Runtime, RuntimeConfig
+from runtimes import Backend, CreateRequest, ExecRequest, OutputSink, RuntimeConfig
 from runtimes.errors import (
-    SandboxError,
     SandboxInvalidArgumentError,
     cannot_run_as,
     error_for_errno,
@@ -31,36 +31,33 @@ from runtimes.errors import (
 from runtimes.models import StdinSource
 from runtimes.stdin_feed import feed_stdin, run_beside
 
-_SHELL_ERRORS = {
-    "No such file or directory": 2,
-    "Permission denied": 13,
-    "Not a directory": 20,
-    "Is a directory": 21,
-}
-
 
 class EchoConfig(RuntimeConfig):
     type: Literal["echo"] = "echo"
 
 
-class EchoRuntime(Runtime):
+class EchoBackend(Backend):
     name = "echo"
     config_model = EchoConfig
 
     _dir: str | None = None
 
-    async def _start(self) -> str:
+    @property
+    def sandbox_id(self) -> str | None:
+        return os.path.basename(self._dir) if self._dir else None
+
+    async def create(self, request: CreateRequest) -> str:
         self._dir = tempfile.mkdtemp(prefix="vf-echo-")
         return self._dir
 
-    async def _close(self) -> None:
+    async def destroy(self, *, keep: bool) -> None:
         if self._dir:
             await anyio.to_thread.run_sync(shutil.rmtree, self._dir, True)
 
-    async def _alive(self) -> bool:
+    async def alive(self) -> bool:
         return self._dir is not None and await anyio.Path(self._dir).is_dir()
 
-    async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
+    async def spawn(self, request: ExecRequest, sink: OutputSink) -> int:
         if request.user is not None and os.geteuid() != 0:
             raise cannot_run_as(request.argv[0], request.user, "the host process is not root")
         if request.user is not None:
@@ -98,29 +95,6 @@ class EchoRuntime(Runtime):
             with anyio.CancelScope(shield=True):
                 await proc.aclose()
         return 128 - code if code < 0 else code
-
-    async def _read(self, path: str, limit: int) -> bytes:
-        request, sink = self._internal(["cat", "--", path], limit=limit + 1)
-        code = await self._exec(request, sink)
-        if code != 0:
-            raise _error_from_shell(path, bytes(sink.stderr))
-        return bytes(sink.stdout)
-
-    async def _write(self, path: str, data: bytes) -> None:
-        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
-        request, sink = self._internal(["sh", "-c", script, "sh", path], stdin=data)
-        if await self._exec(request, sink) != 0:
-            raise _error_from_shell(path, bytes(sink.stderr))
-
-
-def _error_from_shell(path: str, stderr: bytes) -> SandboxError:
-    text = stderr.decode("utf-8", "replace")
-    for needle, num in _SHELL_ERRORS.items():
-        if needle in text:
-            return error_for_errno(num, path)
-    if "File exists" in text:  # mkdir -p over a file
-        return error_for_errno(20, path)
-    return SandboxError(f"echo backend: operation on {path!r} failed: {text.strip()}")
 
 
 async def _send(proc: anyio.abc.Process, stdin: StdinSource | None, sink: OutputSink) -> None:

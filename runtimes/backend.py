@@ -1,0 +1,333 @@
+"""The :class:`Backend` seam: how to reach one kind of sandbox, and nothing else.
+
+A backend says how to create, destroy and probe its sandbox and how to run one process in it
+with pipes (:meth:`Backend.spawn`). Everything else lives once, above it, in the
+:class:`~runtimes.base.Runtime` that :func:`runtime_class` composes around it: argument
+checks, paths, timeouts, output caps, the lifecycle, the channel routing, the sweep of the
+processes a sandbox's commands left behind, the kills still owed, and a generic plain path
+over ``spawn`` for every file operation (``head``, ``cat``, ``test``, ``rm``, ``tar`` in the
+sandbox).
+
+What a backend does better than that generic path it declares as a *capability*, by also
+subclassing the capability's class; the runtime uses it where it is declared:
+
+========================  ===============================================================
+:class:`FileFastPath`     ``read`` / ``write`` through the transport's own file API
+                          (Docker's archive API, SFTP, a local file)
+:class:`TreeFastPath`     ``upload`` / ``download`` of whole trees the same way
+:class:`SandboxLister`    ``list_sandboxes`` / ``destroy_sandbox``: ``vf-sandbox ls`` and
+                          ``cleanup`` see the backend's sandboxes
+:class:`Snapshotter`      snapshots of the sandbox's files, forks opened from them
+:class:`ProcessSweeper`   a sweep stronger than the mark's (``stop_processes``, close)
+:class:`ShellOpener`      ``vf-sandbox shell ID`` into a listed sandbox
+:class:`MemoryKillProbe`  after an exit 137, whether the sandbox's memory limit dealt it
+:class:`HostRouter`       ways for a process in the sandbox to reach a port on the host
+========================  ===============================================================
+
+A runtime plugin is a :class:`Backend` subclass named by an entry point in
+``vf_sandbox.runtimes`` (docs/plugins.md builds one); the registry composes its runtime
+(:func:`runtimes.composed.runtime_class`).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from ._extract import Links
+from .config import RuntimeConfig
+from .models import ExecRequest, OutputSink, SandboxInfo
+from .routes import HostRoute, RouteKind
+from .snapshot import SandboxSnapshot, SnapshotHolds
+
+__all__ = [
+    "Backend",
+    "CreateRequest",
+    "FileFastPath",
+    "HostRouter",
+    "MemoryKillProbe",
+    "ProcessSweeper",
+    "SandboxLister",
+    "ShellOpener",
+    "Snapshotter",
+    "TreeFastPath",
+]
+
+
+class Backend(abc.ABC):
+    """How to reach one kind of sandbox: four methods, an id and two class attributes.
+
+    One instance serves one sandbox, from :meth:`create` to :meth:`destroy`. Every method
+    may raise :class:`~runtimes.errors.SandboxUnavailableError` for a sandbox that is gone
+    and :class:`~runtimes.errors.SandboxTransportError` for a connection to it that failed;
+    anything that is not a :class:`~runtimes.errors.SandboxError` reaches the caller
+    wrapped in one ("failed unexpectedly"), so raise typed errors.
+    """
+
+    name: ClassVar[str]
+    """The type name (``{"type": name}`` in a config): in messages, labels and ``ls``."""
+    config_model: ClassVar[type[RuntimeConfig]]
+    """The config: a :class:`~runtimes.config.RuntimeConfig` subclass whose ``type`` is
+    ``Literal[name]`` defaulting to ``name``."""
+    keep_supported: ClassVar[bool] = False
+    """Whether :meth:`destroy` honours ``keep=True`` (without it the config is refused)."""
+    destroy_ends_processes: ClassVar[bool] = False
+    """Whether :meth:`destroy` ends every process in the sandbox by itself (a container,
+    a VM). When it does not, the runtime sweeps what its commands left before it."""
+
+    def __init__(self, config: RuntimeConfig):
+        self.config = config
+
+    @property
+    def sandbox_id(self) -> str | None:
+        """The backend's own id for the sandbox (``None`` before :meth:`create`): the id
+        :meth:`SandboxLister.list_sandboxes` reports, so a user who reads it in an error
+        finds the same row in ``vf-sandbox ls``."""
+        return None
+
+    @abc.abstractmethod
+    async def create(self, request: CreateRequest) -> str:
+        """Create the sandbox (or attach to the one the config names) and return its
+        absolute, writable workdir.
+
+        Runs shielded from cancellation. Keep a handle on what was created before any
+        further await: if ``create`` raises, :meth:`destroy` runs to remove what was made.
+        Store ``request.labels`` with what you create, where a later process can read them
+        and the sandbox's code cannot rewrite them (container labels, cloud tags, a file
+        beside the sandbox): :meth:`SandboxLister.list_sandboxes` reports them.
+
+        Raises:
+            ProvisioningError: the sandbox could not be created.
+        """
+
+    @abc.abstractmethod
+    async def destroy(self, *, keep: bool) -> None:
+        """Destroy the sandbox, or release one the config only attached to. Runs once,
+        after :meth:`create` began, and must cope with a half-finished ``create``.
+
+        ``keep`` (only if :attr:`keep_supported`): release what the host holds and leave
+        the sandbox, processes and all, for debugging.
+
+        Raises:
+            SandboxTransportError: the backend could not confirm the sandbox is gone.
+        """
+
+    @abc.abstractmethod
+    async def alive(self) -> bool:
+        """Whether the sandbox answers: ``False`` for a dead one, never an error for it.
+
+        Raises:
+            SandboxTransportError: the backend cannot tell.
+        """
+
+    @abc.abstractmethod
+    async def spawn(self, request: ExecRequest, sink: OutputSink) -> int:
+        """Run one process in the sandbox with pipes; return its exit code (``128 + N``
+        after signal N).
+
+        Feed ``request.stdin`` (:func:`runtimes.stdin_feed.feed_stdin`), stream its output
+        into ``sink`` as it comes (stop reading when ``sink.feed`` returns ``False``), call
+        ``sink.exited(code)`` the moment the process exits and set ``sink.pid`` once known.
+        When cancelled (a timeout, the output cap, the caller), kill its whole process
+        group, shielded, then let the cancellation propagate.
+
+        Raises:
+            SandboxFileNotFoundError: the program or ``cwd`` is missing.
+            SandboxPermissionError: the program cannot be run; ``user`` cannot be switched
+                to (:func:`~runtimes.errors.cannot_run_as`).
+            SandboxNotADirectoryError: ``cwd`` is not a directory.
+            SandboxInvalidArgumentError: argv over the kernel's limit; an unknown ``user``
+                (:func:`~runtimes.errors.no_such_user`).
+        """
+
+    def describe(self) -> str:
+        """A short human name for messages: the type name and the sandbox id."""
+        return f"{self.name} sandbox {self.sandbox_id or '(not started)'}"
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    """What the runtime asks of :meth:`Backend.create`, besides the config."""
+
+    labels: dict[str, str]
+    """The sandbox's labels (:func:`runtimes.ownership.ownership_labels`: its creator, the
+    creation time, whether it is kept, the config's ``labels``)."""
+    mark: str
+    """The value of ``VF_SANDBOX_RUNTIME`` that every command of this sandbox carries
+    (:data:`runtimes.sweep.MARK_VAR`): what sweeps find its processes by."""
+    snapshot: SandboxSnapshot | None = None
+    """The snapshot the sandbox's files start as (only for a :class:`Snapshotter`)."""
+
+
+class FileFastPath(abc.ABC):
+    """Capability: single files through the transport's own file API. Both get an absolute,
+    resolved path."""
+
+    @abc.abstractmethod
+    async def read(self, path: str, limit: int) -> bytes:
+        """The file's bytes, following symlinks: at most ``limit + 1`` of them (the runtime
+        raises ``OutputLimitExceededError`` over ``limit``).
+
+        Raises:
+            SandboxFileNotFoundError, SandboxIsADirectoryError, SandboxNotADirectoryError,
+            SandboxPermissionError: naming ``path``.
+        """
+
+    @abc.abstractmethod
+    async def write(self, path: str, data: bytes) -> None:
+        """Replace the file's content in place (its mode kept, a symlink written through, no
+        temporary file beside it), creating missing parents.
+
+        Raises:
+            SandboxIsADirectoryError, SandboxNotADirectoryError, SandboxPermissionError:
+                naming ``path``.
+        """
+
+
+class TreeFastPath(abc.ABC):
+    """Capability: whole trees through the transport's own file API."""
+
+    @abc.abstractmethod
+    async def upload(self, source: Path, remote: str) -> None:
+        """Copy the local file or directory ``source`` to the absolute ``remote``."""
+
+    @abc.abstractmethod
+    async def download(
+        self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
+    ) -> None:
+        """Copy ``remote`` to the fresh local path ``local``. A directory is unpacked with
+        :func:`runtimes.untar_into` or an equivalent that treats the sandbox's archive as
+        hostile (``skip_unsafe``, ``links``: as it documents).
+
+        Raises:
+            SandboxFileNotFoundError: ``remote`` does not exist.
+        """
+
+
+class SandboxLister(abc.ABC):
+    """Capability: ``vf-sandbox ls`` and ``cleanup`` see this backend's sandboxes (without
+    it they are invisible to both)."""
+
+    @classmethod
+    @abc.abstractmethod
+    async def list_sandboxes(cls, config: RuntimeConfig | None = None) -> list[SandboxInfo]:
+        """Every labelled sandbox of this backend, of every creator (``config`` may be
+        ``None``: look in the default place).
+
+        Raises:
+            SandboxError: the backend cannot be reached.
+        """
+
+    @classmethod
+    @abc.abstractmethod
+    async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:
+        """Remove one listed sandbox and everything in it; one already gone is fine. Treat
+        ``info.id`` as input: refuse an id this backend could not have made.
+
+        Raises:
+            SandboxError: the removal failed.
+        """
+
+
+class MemoryKillProbe(abc.ABC):
+    """Capability: tell a memory-limit kill from any other ``SIGKILL``."""
+
+    @abc.abstractmethod
+    async def memory_kill(self, since: float) -> str | None:
+        """Whether the sandbox's memory limit killed a process since ``time.monotonic()``
+        was ``since``, as seen from outside the sandbox: the limit's setting (``"64MiB"``,
+        ``""`` if not known), else ``None``. Bounds its own time; never raises."""
+
+
+class Snapshotter(abc.ABC):
+    """Capability: snapshots of the sandbox's files, and sandboxes opened from them
+    (``docs/snapshots.md``)."""
+
+    snapshot_holds: ClassVar[SnapshotHolds]
+    """What a snapshot holds: ``"filesystem"`` (the whole root) or ``"workdir"``."""
+
+    @abc.abstractmethod
+    async def snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
+        """Take a snapshot of the live sandbox, stored with ``labels``.
+
+        Raises:
+            SandboxError: the backend failed to take it (the cause attached).
+        """
+
+    def check_fork_config(self) -> None:
+        """Refuse a config this backend cannot start from a snapshot (a sandbox to attach
+        to, a workdir of the user's own).
+
+        Raises:
+            SandboxInvalidArgumentError: the config cannot start from a snapshot.
+        """
+        return None
+
+    @classmethod
+    @abc.abstractmethod
+    async def list_snapshots(cls, config: RuntimeConfig | None = None) -> list[SandboxSnapshot]:
+        """Every labelled snapshot of this backend, of every creator.
+
+        Raises:
+            SandboxTransportError: the backend could not be reached.
+        """
+
+    @classmethod
+    @abc.abstractmethod
+    async def destroy_snapshot(
+        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None = None
+    ) -> None:
+        """Remove one snapshot; one already gone is fine.
+
+        Raises:
+            SandboxInvalidArgumentError: ``snapshot.id`` is not one this backend made.
+        """
+
+
+class ProcessSweeper(abc.ABC):
+    """Capability: a sweep stronger than the runtime's (which kills what carries the
+    sandbox's mark, through :meth:`Backend.spawn`), for :meth:`runtimes.Runtime.stop_processes`
+    and before :meth:`Backend.destroy`."""
+
+    @abc.abstractmethod
+    async def sweep(self) -> int:
+        """Kill every process of the sandbox still running; return how many.
+
+        Raises:
+            SandboxError: some process is still running afterwards.
+        """
+
+
+class ShellOpener(abc.ABC):
+    """Capability: ``vf-sandbox shell ID`` opens an interactive shell in a listed sandbox."""
+
+    @classmethod
+    @abc.abstractmethod
+    async def shell_argv(
+        cls, info: SandboxInfo, config: RuntimeConfig | None = None, *, tty: bool
+    ) -> list[str]:
+        """The host argv (for ``os.execvp``) of a shell in ``info``'s workdir (``tty``:
+        whether stdin is a terminal).
+
+        Raises:
+            SandboxUnavailableError: the sandbox is gone.
+            SandboxFileNotFoundError: a host tool the shell needs is not installed.
+        """
+
+
+class HostRouter(abc.ABC):
+    """Capability: ways for a process in the sandbox to reach a port on the host."""
+
+    @abc.abstractmethod
+    def host_routes(self) -> tuple[RouteKind, ...]:
+        """The route kinds this sandbox offers, best first (:mod:`runtimes.routes`)."""
+
+    @abc.abstractmethod
+    async def expose_host(self, port: int, via: RouteKind) -> HostRoute:
+        """Make ``127.0.0.1:port`` on the host reachable from the sandbox through ``via``.
+
+        Raises:
+            HostRouteError: the route cannot be made.
+        """

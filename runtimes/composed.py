@@ -1,0 +1,222 @@
+"""The :class:`~runtimes.base.Runtime` composed around a :class:`~runtimes.backend.Backend`.
+
+:func:`runtime_class` makes one runtime class per backend class (the registry calls it for a
+backend plugin). The runtime keeps what every backend shares: the lifecycle, argument
+checks, timeouts, caps, the channel routing, the kills still owed, the generic plain path
+over :meth:`~runtimes.backend.Backend.spawn` for every file operation, and the sweep of what
+the sandbox's commands leave running. It asks the backend only how to reach the sandbox, and
+uses a capability (:mod:`runtimes.backend`) where the backend declares one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+import anyio
+
+from . import ownership
+from ._extract import Links
+from .backend import (
+    Backend,
+    CreateRequest,
+    FileFastPath,
+    HostRouter,
+    MemoryKillProbe,
+    ProcessSweeper,
+    SandboxLister,
+    ShellOpener,
+    Snapshotter,
+    TreeFastPath,
+)
+from .base import Runtime
+from .config import RuntimeConfig
+from .errors import SandboxError
+from .models import ExecRequest, OutputSink, SandboxInfo
+from .routes import HostRoute, RouteKind
+from .snapshot import SandboxSnapshot
+
+__all__ = ["BackendRuntime", "runtime_class"]
+
+log = logging.getLogger("runtimes")
+
+
+class BackendRuntime(Runtime):
+    """The runtime over one :class:`Backend` instance (``self.backend``), made for a backend
+    class by :func:`runtime_class`."""
+
+    backend_class: ClassVar[type[Backend]]
+
+    def __init__(self, config: RuntimeConfig):
+        super().__init__(config)
+        self.backend = self.backend_class(config)
+
+    @property
+    def sandbox_id(self) -> str | None:
+        return self.backend.sandbox_id
+
+    def describe(self) -> str:
+        return self.backend.describe()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _start(self) -> str:
+        labels = ownership.ownership_labels(self.name, self.config.labels, keep=self.config.keep)
+        request = CreateRequest(labels, self._mark, self._snapshot_source)
+        return await self.backend.create(request)
+
+    async def _close(self) -> None:
+        if not self._keep and self._workdir is not None:
+            # What the sandbox's commands left running dies with it (a sandbox that ends
+            # its processes itself, a container, has nothing left to sweep).
+            if isinstance(self.backend, ProcessSweeper):
+                await self._sweep_quietly(self.backend.sweep())
+            elif not self.backend.destroy_ends_processes:
+                request, sink = self._internal(self._sweep_argv())
+                await self._sweep_quietly(self._count_swept(request, sink))
+        await self.backend.destroy(keep=self._keep)
+
+    async def _count_swept(self, request: ExecRequest, sink: OutputSink) -> int:
+        return self._swept(await self.backend.spawn(request, sink), sink)
+
+    async def _sweep_quietly(self, sweep: Awaitable[int]) -> None:
+        """A sweep before the sandbox goes: what it could not kill is logged, and the
+        sandbox is destroyed all the same."""
+        try:
+            await sweep
+        except SandboxError as exc:
+            log.warning("%s: the sweep before close failed: %s", self.describe(), exc)
+
+    async def _alive(self) -> bool:
+        return await self.backend.alive()
+
+    async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
+        return await self.backend.spawn(request, sink)
+
+    async def stop_processes(self) -> int:
+        if not isinstance(self.backend, ProcessSweeper):
+            return await super().stop_processes()
+        self._check_open()
+        with self._guard("stop_processes"):
+            return await self.backend.sweep()
+
+    # ------------------------------------------------------------------ capabilities
+
+    async def _read(self, path: str, limit: int) -> bytes:
+        if isinstance(self.backend, FileFastPath):
+            return await self.backend.read(path, limit)
+        return await super()._read(path, limit)
+
+    async def _write(self, path: str, data: bytes) -> None:
+        if isinstance(self.backend, FileFastPath):
+            return await self.backend.write(path, data)
+        return await super()._write(path, data)
+
+    async def _upload(self, source: Path, remote: str) -> None:
+        if isinstance(self.backend, TreeFastPath):
+            return await self.backend.upload(source, remote)
+        return await super()._upload(source, remote)
+
+    async def _download(
+        self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
+    ) -> None:
+        if isinstance(self.backend, TreeFastPath):
+            return await self.backend.download(remote, local, skip_unsafe=skip_unsafe, links=links)
+        return await super()._download(remote, local, skip_unsafe=skip_unsafe, links=links)
+
+    async def _memory_kill(self, since: float) -> str | None:
+        if isinstance(self.backend, MemoryKillProbe):
+            return await self.backend.memory_kill(since)
+        return None
+
+    def _host_routes(self) -> tuple[RouteKind, ...]:
+        if isinstance(self.backend, HostRouter):
+            return self.backend.host_routes()
+        return super()._host_routes()
+
+    async def _expose_host(self, port: int, via: RouteKind) -> HostRoute:
+        if isinstance(self.backend, HostRouter):
+            return await self.backend.expose_host(port, via)
+        return await super()._expose_host(port, via)
+
+    async def _snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
+        if isinstance(self.backend, Snapshotter):
+            return await self.backend.snapshot(labels)
+        return await super()._snapshot(labels)
+
+    def _check_fork_config(self) -> None:
+        if isinstance(self.backend, Snapshotter):
+            self.backend.check_fork_config()
+
+
+# The classmethod capabilities: added to a runtime class only where its backend declares
+# them, so that "does not list" stays visible (runtimes.cleanup.lists_sandboxes).
+
+
+async def _list_sandboxes(
+    cls: type[BackendRuntime], config: RuntimeConfig | None = None
+) -> list[SandboxInfo]:
+    return await cast("type[SandboxLister]", cls.backend_class).list_sandboxes(config)
+
+
+async def _destroy_sandbox(
+    cls: type[BackendRuntime], info: SandboxInfo, config: RuntimeConfig | None = None
+) -> None:
+    await cast("type[SandboxLister]", cls.backend_class).destroy_sandbox(info, config)
+
+
+async def _list_snapshots(
+    cls: type[BackendRuntime], config: RuntimeConfig | None = None
+) -> list[SandboxSnapshot]:
+    return await cast("type[Snapshotter]", cls.backend_class).list_snapshots(config)
+
+
+async def _destroy_snapshot(
+    cls: type[BackendRuntime], snapshot: SandboxSnapshot, config: RuntimeConfig | None = None
+) -> None:
+    await cast("type[Snapshotter]", cls.backend_class).destroy_snapshot(snapshot, config)
+
+
+def _destroy_snapshot_at_exit(
+    cls: type[BackendRuntime], snapshot: SandboxSnapshot, config: RuntimeConfig | None
+) -> None:
+    anyio.run(_destroy_snapshot, cls, snapshot, config)
+
+
+async def _shell_argv(
+    cls: type[BackendRuntime],
+    info: SandboxInfo,
+    config: RuntimeConfig | None = None,
+    *,
+    tty: bool,
+) -> list[str]:
+    return await cast("type[ShellOpener]", cls.backend_class).shell_argv(info, config, tty=tty)
+
+
+@functools.cache
+def runtime_class(backend: type[Backend]) -> type[Runtime]:
+    """The :class:`Runtime` class over ``backend``, one per backend class: what the registry
+    returns for a backend plugin, and what ``open_runtime`` instantiates."""
+    namespace: dict[str, Any] = {
+        "__module__": backend.__module__,
+        "__qualname__": f"{backend.__qualname__}Runtime",
+        "__doc__": f"The runtime over :class:`{backend.__qualname__}`.",
+        "name": backend.name,
+        "config_model": backend.config_model,
+        "keep_supported": backend.keep_supported,
+        "backend_class": backend,
+    }
+    if issubclass(backend, SandboxLister):
+        namespace["list_sandboxes"] = classmethod(_list_sandboxes)
+        namespace["destroy_sandbox"] = classmethod(_destroy_sandbox)
+    if issubclass(backend, Snapshotter):
+        namespace["snapshot_holds"] = backend.snapshot_holds
+        namespace["list_snapshots"] = classmethod(_list_snapshots)
+        namespace["destroy_snapshot"] = classmethod(_destroy_snapshot)
+        namespace["_destroy_snapshot_at_exit"] = classmethod(_destroy_snapshot_at_exit)
+    if issubclass(backend, ShellOpener):
+        namespace["shell_argv"] = classmethod(_shell_argv)
+    return type(f"{backend.__name__}Runtime", (BackendRuntime,), namespace)
