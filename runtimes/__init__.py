@@ -16,6 +16,7 @@ from .backend import (
     SandboxLister,
     ShellOpener,
     Snapshotter,
+    StreamSpawner,
     TreeFastPath,
 )
 from .base import Runtime, live_runtimes
@@ -117,6 +118,7 @@ __all__ = [
     "SnapshotUnsupportedError",
     "Snapshotter",
     "State",
+    "StreamSpawner",
     "SubprocessConfig",
     "SubprocessRuntime",
     "SyncRuntime",

@@ -20,6 +20,8 @@ subclassing the capability's class; the runtime uses it where it is declared:
 :class:`Snapshotter`      snapshots of the sandbox's files, forks opened from them
 :class:`ProcessSweeper`   a sweep stronger than the mark's (``stop_processes``, close)
 :class:`ShellOpener`      ``vf-sandbox shell ID`` into a listed sandbox
+:class:`StreamSpawner`    a process whose pipes are one stream: the channel's agent runs
+                          over it
 :class:`MemoryKillProbe`  after an exit 137, whether the sandbox's memory limit dealt it
 :class:`HostRouter`       ways for a process in the sandbox to reach a port on the host
 ========================  ===============================================================
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ._extract import Links
+from .channel.protocol import ChannelTransport
 from .config import RuntimeConfig
 from .models import ExecRequest, OutputSink, SandboxInfo
 from .routes import HostRoute, RouteKind
@@ -52,6 +55,7 @@ __all__ = [
     "SandboxLister",
     "ShellOpener",
     "Snapshotter",
+    "StreamSpawner",
     "TreeFastPath",
 ]
 
@@ -141,6 +145,14 @@ class Backend(abc.ABC):
             SandboxInvalidArgumentError: argv over the kernel's limit; an unknown ``user``
                 (:func:`~runtimes.errors.no_such_user`).
         """
+
+    @property
+    def attached(self) -> bool:
+        """Whether :meth:`create` attached to a sandbox that existed before (code of others
+        may have run in it) rather than making a fresh one. The runtime then kills what its
+        commands left before letting it go, and never starts the channel's agent in it
+        (the agent's interpreter would be found on that sandbox's ``PATH``)."""
+        return False
 
     def describe(self) -> str:
         """A short human name for messages: the type name and the sandbox id."""
@@ -314,6 +326,27 @@ class ShellOpener(abc.ABC):
         Raises:
             SandboxUnavailableError: the sandbox is gone.
             SandboxFileNotFoundError: a host tool the shell needs is not installed.
+        """
+
+
+class StreamSpawner(abc.ABC):
+    """Capability: a long-lived process whose stdin and stdout are one byte stream. The
+    channel's agent (``docs/channel.md``) runs over it when the config's ``channel`` field
+    is true: every ``exec``, ``read``, ``write``, ``exists``, ``remove`` then costs about a
+    millisecond instead of a process each. The runtime supplies the rest of what the
+    channel needs: kills through :meth:`Backend.spawn`, :meth:`Backend.alive` as the death
+    probe, and, where the backend is a :class:`FileFastPath` (which must not run the
+    sandbox's code), the check of the agent's files before a restart. Never in a sandbox
+    the backend :attr:`~Backend.attached` to."""
+
+    @abc.abstractmethod
+    async def open_stream(self, argv: list[str]) -> ChannelTransport:
+        """Start ``argv`` in the sandbox (as the default user, in the workdir, with no
+        environment of the caller's) with its stdin attached, and return its stdin and
+        stdout as one stream.
+
+        Raises:
+            SandboxError: the process could not be started.
         """
 
 

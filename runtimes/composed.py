@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -30,11 +30,14 @@ from .backend import (
     SandboxLister,
     ShellOpener,
     Snapshotter,
+    StreamSpawner,
     TreeFastPath,
 )
 from .base import Runtime
+from .channel import ChannelHooks, ChannelTransport, verify_by_reading
+from .channel.bootstrap import agent_command
 from .config import RuntimeConfig
-from .errors import SandboxError
+from .errors import SandboxError, SandboxFileNotFoundError
 from .models import ExecRequest, OutputSink, SandboxInfo
 from .routes import HostRoute, RouteKind
 from .snapshot import SandboxSnapshot
@@ -42,6 +45,10 @@ from .snapshot import SandboxSnapshot
 __all__ = ["BackendRuntime", "runtime_class"]
 
 log = logging.getLogger("runtimes")
+
+AGENT_FILE_LIMIT = 256 * 1024 * 1024
+"""The most read of one file the channel's agent ran from (its interpreter, its libraries)
+to check it before a restart."""
 
 
 class BackendRuntime(Runtime):
@@ -66,7 +73,59 @@ class BackendRuntime(Runtime):
     async def _start(self) -> str:
         labels = ownership.ownership_labels(self.name, self.config.labels, keep=self.config.keep)
         request = CreateRequest(labels, self._mark, self._snapshot_source)
-        return await self.backend.create(request)
+        workdir = await self.backend.create(request)
+        self._workdir = workdir  # the channel's agent starts there
+        await self._start_channel()
+        return workdir
+
+    # ------------------------------------------------------------------ the channel
+
+    def _channel_hooks(self) -> ChannelHooks | None:
+        """The channel over a :class:`StreamSpawner`'s stream: kills through ``spawn``, the
+        backend's ``alive`` as the death probe, a restart verified through its
+        :class:`FileFastPath` (none without one: the plain path serves from then on)."""
+        if not isinstance(self.backend, StreamSpawner):
+            return None
+        fast = self.backend if isinstance(self.backend, FileFastPath) else None
+        return ChannelHooks(
+            open_transport=self._open_agent,
+            kill_group=self._kill_group_plainly,
+            lost_means_dead=self._dead,
+            probe_dead=self._dead,
+            verify_agent=None if fast is None else self._verify_agent_files,
+        )
+
+    async def _open_agent(self, interpreter: str | None) -> ChannelTransport:
+        assert isinstance(self.backend, StreamSpawner)
+        if self.backend.attached and interpreter is None:
+            # The first agent finds python3 on the sandbox's PATH: in a sandbox others ran
+            # code in, that may be theirs (attack class 4). The plain path serves.
+            raise SandboxError(
+                f"{self.describe()}: the channel's agent is not started in a sandbox this "
+                "runtime attached to"
+            )
+        return await self.backend.open_stream(agent_command(interpreter))
+
+    def _keeps_sandbox(self) -> bool:
+        return self.backend.attached
+
+    async def _kill_group_plainly(self, pgid: int) -> None:
+        await self._kill_orphan_groups(frozenset({pgid}))
+
+    async def _dead(self) -> bool:
+        return not await self.backend.alive()
+
+    async def _verify_agent_files(self, digests: Mapping[str, bytes]) -> str | None:
+        assert isinstance(self.backend, FileFastPath)
+        backend = self.backend
+
+        async def read(path: str) -> bytes | None:
+            try:
+                return await backend.read(path, AGENT_FILE_LIMIT)
+            except SandboxFileNotFoundError:
+                return None
+
+        return await verify_by_reading(read, digests)
 
     async def _close(self) -> None:
         if not self._keep and self._workdir is not None:

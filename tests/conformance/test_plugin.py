@@ -6,6 +6,8 @@ capability, so this also proves the runtime's generic plain path over `spawn` (e
 operation) and its sweep of what commands leave running.
 """
 
+import pytest
+
 from runtimes import Backend, load_runtime_class
 from runtimes.composed import BackendRuntime
 from runtimes.testing import RuntimeConformance
@@ -22,3 +24,25 @@ def test_the_registry_composes_a_runtime_around_a_backend_plugin() -> None:
     assert cls.backend_class.__name__ == "EchoBackend"
     assert (cls.name, cls.config_model) == ("echo", cls.backend_class.config_model)
     assert load_runtime_class("echo") is cls  # one runtime class per backend
+
+
+class TestEchoPluginChannelConformance(RuntimeConformance):
+    """The same plugin with the channel on: the runtime runs the agent over the backend's
+    `StreamSpawner` stream, with kills through `spawn` and `alive` as the death probe."""
+
+    config = {"type": "echo", "channel": True}
+
+
+@pytest.mark.anyio
+async def test_the_channel_serves_a_stream_spawner_backend() -> None:
+    from runtimes import open_runtime
+
+    async with open_runtime({"type": "echo", "channel": True}) as rt:
+        assert (await rt.exec(["echo", "hi"])).stdout == "hi\n"
+        await rt.write("f", b"data")
+        assert await rt.read("f") == b"data"
+        info = rt.channel_info
+        assert info.state == "running" and info.served >= 3 and info.fallbacks == 0, info
+    async with open_runtime("echo") as rt:
+        await rt.exec(["true"])
+        assert rt.channel_info.state == "disabled"

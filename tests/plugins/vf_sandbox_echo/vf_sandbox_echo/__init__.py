@@ -1,11 +1,13 @@
 """A minimal third-party backend, written only against the public plugin contract.
 
 It runs commands as local processes (like the built-in subprocess runtime) and implements
-only the five methods of :class:`runtimes.Backend`, declaring no capability: every file
+only the methods of :class:`runtimes.Backend`, declaring no file capability: every file
 operation (``read``, ``write``, ``exists``, ``remove``, ``upload``, ``download``) goes
 through the runtime's generic plain path over ``spawn``, and the runtime sweeps what its
-commands leave running. That makes it the proof that a backend built this way passes the
-conformance suite.
+commands leave running. With ``channel: true`` it also declares
+:class:`runtimes.StreamSpawner` (a local process whose pipes are one stream), and the
+runtime runs the channel's agent over it. That makes it the proof that a backend built this
+way passes the conformance suite, with and without the channel.
 """
 
 from __future__ import annotations
@@ -15,13 +17,24 @@ import os
 import pwd
 import shutil
 import signal
+import subprocess
 import tempfile
+import threading
 from typing import Literal
 
 import anyio
 import anyio.abc
 
-from runtimes import Backend, CreateRequest, ExecRequest, OutputSink, RuntimeConfig
+from runtimes import (
+    Backend,
+    CreateRequest,
+    ExecRequest,
+    OutputSink,
+    RuntimeConfig,
+    SandboxError,
+    StreamSpawner,
+)
+from runtimes.channel import ChannelTransport
 from runtimes.errors import (
     SandboxInvalidArgumentError,
     cannot_run_as,
@@ -34,9 +47,11 @@ from runtimes.stdin_feed import feed_stdin, run_beside
 
 class EchoConfig(RuntimeConfig):
     type: Literal["echo"] = "echo"
+    channel: bool = False
+    """Run the channel's agent over a local process's pipes."""
 
 
-class EchoBackend(Backend):
+class EchoBackend(Backend, StreamSpawner):
     name = "echo"
     config_model = EchoConfig
 
@@ -56,6 +71,23 @@ class EchoBackend(Backend):
 
     async def alive(self) -> bool:
         return self._dir is not None and await anyio.Path(self._dir).is_dir()
+
+    async def open_stream(self, argv: list[str]) -> ChannelTransport:
+        def start() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                cwd=self._dir,
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                start_new_session=True,
+            )
+
+        try:
+            return _Pipes(await anyio.to_thread.run_sync(start))
+        except OSError as exc:
+            raise SandboxError(f"echo backend: cannot start {argv[0]!r}: {exc}") from exc
 
     async def spawn(self, request: ExecRequest, sink: OutputSink) -> int:
         if request.user is not None and os.geteuid() != 0:
@@ -95,6 +127,43 @@ class EchoBackend(Backend):
             with anyio.CancelScope(shield=True):
                 await proc.aclose()
         return 128 - code if code < 0 else code
+
+
+class _Pipes(ChannelTransport):
+    """A local process's stdin and stdout as the channel's stream."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self._proc = proc
+        self._stdin = proc.stdin
+        self._stdout = proc.stdout.fileno()
+        self._closed = False
+
+    def recv(self) -> bytes:
+        try:
+            return os.read(self._stdout, 65536)
+        except OSError:
+            return b""
+
+    def send(self, data: bytes) -> None:
+        self._stdin.write(data)
+        self._stdin.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._stdin.close()  # EOF: the agent kills what it runs and exits
+        threading.Thread(target=self._reap, daemon=True).start()
+
+    def _reap(self) -> None:
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
 
 
 async def _send(proc: anyio.abc.Process, stdin: StdinSource | None, sink: OutputSink) -> None:
