@@ -12,7 +12,7 @@ What a backend does better than that generic path it declares as a *capability*,
 subclassing the capability's class; the runtime uses it where it is declared:
 
 ========================  ===============================================================
-:class:`FileFastPath`     ``read`` / ``write`` through the transport's own file API
+:class:`FileFastPath`     ``read`` / ``write`` / ``exists`` through the transport's file API
                           (Docker's archive API, SFTP, a local file)
 :class:`TreeFastPath`     ``upload`` / ``download`` of whole trees the same way
 :class:`SandboxLister`    ``list_sandboxes`` / ``destroy_sandbox``: ``vf-sandbox ls`` and
@@ -174,8 +174,10 @@ class CreateRequest:
 
 
 class FileFastPath(abc.ABC):
-    """Capability: single files through the transport's own file API. Both get an absolute,
-    resolved path."""
+    """Capability: single files through the transport's own file API, which must not run
+    the sandbox's code (the channel verifies its agent's files through it). Each gets an
+    absolute, resolved path. (``remove``, ``lstat`` and ``mkdir`` take the generic path, or
+    the channel.)"""
 
     @abc.abstractmethod
     async def read(self, path: str, limit: int) -> bytes:
@@ -195,6 +197,14 @@ class FileFastPath(abc.ABC):
         Raises:
             SandboxIsADirectoryError, SandboxNotADirectoryError, SandboxPermissionError:
                 naming ``path``.
+        """
+
+    @abc.abstractmethod
+    async def exists(self, path: str) -> bool:
+        """Whether ``path`` exists (a dangling symlink does; a path through a file does not).
+
+        Raises:
+            SandboxPermissionError: a parent cannot be searched.
         """
 
 

@@ -174,6 +174,11 @@ class BackendRuntime(Runtime):
             return await self.backend.write(path, data)
         return await super()._write(path, data)
 
+    async def _exists(self, path: str) -> bool:
+        if isinstance(self.backend, FileFastPath):
+            return await self.backend.exists(path)
+        return await super()._exists(path)
+
     async def _upload(self, source: Path, remote: str) -> None:
         if isinstance(self.backend, TreeFastPath):
             return await self.backend.upload(source, remote)
