@@ -15,6 +15,7 @@ subclassing the capability's class; the runtime uses it where it is declared:
 :class:`FileFastPath`     ``read`` / ``write`` / ``exists`` through the transport's file API
                           (Docker's archive API, SFTP, a local file)
 :class:`TreeFastPath`     ``upload`` / ``download`` of whole trees the same way
+:class:`RemoveFastPath`   ``remove`` the same way
 :class:`SandboxLister`    ``list_sandboxes`` / ``destroy_sandbox``: ``vf-sandbox ls`` and
                           ``cleanup`` see the backend's sandboxes
 :class:`Snapshotter`      snapshots of the sandbox's files, forks opened from them
@@ -52,6 +53,7 @@ __all__ = [
     "HostRouter",
     "MemoryKillProbe",
     "ProcessSweeper",
+    "RemoveFastPath",
     "SandboxLister",
     "ShellOpener",
     "Snapshotter",
@@ -176,8 +178,8 @@ class CreateRequest:
 class FileFastPath(abc.ABC):
     """Capability: single files through the transport's own file API, which must not run
     the sandbox's code (the channel verifies its agent's files through it). Each gets an
-    absolute, resolved path. (``remove``, ``lstat`` and ``mkdir`` take the generic path, or
-    the channel.)"""
+    absolute, resolved path. (``lstat`` and ``mkdir`` take the generic path, or the
+    channel.)"""
 
     @abc.abstractmethod
     async def read(self, path: str, limit: int) -> bytes:
@@ -225,6 +227,19 @@ class TreeFastPath(abc.ABC):
 
         Raises:
             SandboxFileNotFoundError: ``remote`` does not exist.
+        """
+
+
+class RemoveFastPath(abc.ABC):
+    """Capability: ``remove`` through the transport's own file API."""
+
+    @abc.abstractmethod
+    async def remove(self, path: str) -> None:
+        """Remove ``path``: a file, a symlink (never what it points to) or a whole directory.
+        A missing path is the runtime's to report: it calls this only for one that exists.
+
+        Raises:
+            SandboxPermissionError: naming ``path``.
         """
 
 

@@ -27,6 +27,7 @@ from .backend import (
     HostRouter,
     MemoryKillProbe,
     ProcessSweeper,
+    RemoveFastPath,
     SandboxLister,
     ShellOpener,
     Snapshotter,
@@ -131,9 +132,11 @@ class BackendRuntime(Runtime):
         if not self._keep and self._workdir is not None:
             # What the sandbox's commands left running dies with it (a sandbox that ends
             # its processes itself, a container, has nothing left to sweep).
-            if isinstance(self.backend, ProcessSweeper):
+            if self.backend.destroy_ends_processes:
+                pass
+            elif isinstance(self.backend, ProcessSweeper):
                 await self._sweep_quietly(self.backend.sweep())
-            elif not self.backend.destroy_ends_processes:
+            else:
                 request, sink = self._internal(self._sweep_argv())
                 await self._sweep_quietly(self._count_swept(request, sink))
         await self.backend.destroy(keep=self._keep)
@@ -178,6 +181,11 @@ class BackendRuntime(Runtime):
         if isinstance(self.backend, FileFastPath):
             return await self.backend.exists(path)
         return await super()._exists(path)
+
+    async def _remove(self, path: str) -> None:
+        if isinstance(self.backend, RemoveFastPath):
+            return await self.backend.remove(path)
+        return await super()._remove(path)
 
     async def _upload(self, source: Path, remote: str) -> None:
         if isinstance(self.backend, TreeFastPath):
