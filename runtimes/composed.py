@@ -58,6 +58,31 @@ class BackendRuntime(Runtime):
 
     backend_class: ClassVar[type[Backend]]
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that names its ``backend_class`` takes the backend's name, config and
+        keep support, and the classmethod capabilities it declares: added only where
+        declared, so that "does not list" stays visible
+        (:func:`runtimes.cleanup.lists_sandboxes`)."""
+        super().__init_subclass__(**kwargs)
+        backend = cls.__dict__.get("backend_class")
+        if backend is None:
+            return
+        cls.name = backend.name
+        cls.config_model = backend.config_model
+        cls.keep_supported = backend.keep_supported
+        if issubclass(backend, SandboxLister):
+            cls.list_sandboxes = classmethod(_list_sandboxes)  # type: ignore[assignment]
+            cls.destroy_sandbox = classmethod(_destroy_sandbox)  # type: ignore[assignment]
+        if issubclass(backend, Snapshotter):
+            cls.snapshot_holds = backend.snapshot_holds
+            cls.list_snapshots = classmethod(_list_snapshots)  # type: ignore[assignment]
+            cls.destroy_snapshot = classmethod(_destroy_snapshot)  # type: ignore[assignment]
+            cls._destroy_snapshot_at_exit = classmethod(  # type: ignore[assignment]
+                _destroy_snapshot_at_exit
+            )
+        if issubclass(backend, ShellOpener):
+            cls.shell_argv = classmethod(_shell_argv)  # type: ignore[assignment]
+
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
         self.backend = self.backend_class(config)
@@ -224,8 +249,7 @@ class BackendRuntime(Runtime):
             self.backend.check_fork_config()
 
 
-# The classmethod capabilities: added to a runtime class only where its backend declares
-# them, so that "does not list" stays visible (runtimes.cleanup.lists_sandboxes).
+# The classmethod capabilities, which BackendRuntime.__init_subclass__ installs.
 
 
 async def _list_sandboxes(
@@ -269,26 +293,15 @@ async def _shell_argv(
 
 
 @functools.cache
-def runtime_class(backend: type[Backend]) -> type[Runtime]:
+def runtime_class(backend: type[Backend]) -> type[BackendRuntime]:
     """The :class:`Runtime` class over ``backend``, one per backend class: what the registry
-    returns for a backend plugin, and what ``open_runtime`` instantiates."""
-    namespace: dict[str, Any] = {
+    returns for a backend plugin, and what ``open_runtime`` instantiates. (A package may
+    also name the class itself: ``class SubprocessRuntime(BackendRuntime)`` with
+    ``backend_class = SubprocessBackend``.)"""
+    namespace = {
         "__module__": backend.__module__,
         "__qualname__": f"{backend.__qualname__}Runtime",
         "__doc__": f"The runtime over :class:`{backend.__qualname__}`.",
-        "name": backend.name,
-        "config_model": backend.config_model,
-        "keep_supported": backend.keep_supported,
         "backend_class": backend,
     }
-    if issubclass(backend, SandboxLister):
-        namespace["list_sandboxes"] = classmethod(_list_sandboxes)
-        namespace["destroy_sandbox"] = classmethod(_destroy_sandbox)
-    if issubclass(backend, Snapshotter):
-        namespace["snapshot_holds"] = backend.snapshot_holds
-        namespace["list_snapshots"] = classmethod(_list_snapshots)
-        namespace["destroy_snapshot"] = classmethod(_destroy_snapshot)
-        namespace["_destroy_snapshot_at_exit"] = classmethod(_destroy_snapshot_at_exit)
-    if issubclass(backend, ShellOpener):
-        namespace["shell_argv"] = classmethod(_shell_argv)
     return type(f"{backend.__name__}Runtime", (BackendRuntime,), namespace)
