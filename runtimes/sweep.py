@@ -2,7 +2,9 @@
 
 Every command a runtime starts carries ``VF_SANDBOX_RUNTIME=<runtime mark>`` in its
 environment (:data:`MARK_VAR`), so :meth:`~runtimes.base.Runtime.stop_processes` can find
-what is left of them with the sweep (``scripts/sweep.sh``: freeze, then kill).
+what is left of them with the sweep (``scripts/sweep.sh``: freeze, then kill). It is the
+one mark of every backend: SSH names its sandbox directory after it too, so cleanup can sweep
+a dead session's processes by it.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ checks ``cwd`` and the program first (so a missing program is
 starts the command under ``setsid`` (its own session and process group) and reports the
 group id on stderr ahead of the command's own output. ``timeout=``, the output cap and
 cancellation kill that whole group through a second channel; ``close()`` kills every
-process still carrying the sandbox's marker variable (``VF_SANDBOX_ID``), then removes
-the sandbox directory.
+process still carrying the runtime's mark (``VF_SANDBOX_RUNTIME``, which also names the
+sandbox directory), then removes the sandbox directory.
 
 Requirements on the remote host: Linux (``/proc``), a POSIX ``sh``, util-linux
 (``setsid``; ``runuser`` for ``user=``), coreutils, GNU grep (for the sweep), an SFTP

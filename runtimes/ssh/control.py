@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import re
 import shlex
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
@@ -15,17 +16,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import anyio.to_thread
 
 from .. import ownership
-from ..base import sweep_argv
 from ..errors import SandboxInvalidArgumentError, SandboxTransportError
 from ..models import SandboxInfo
 from ..scripts import load
 from ..snapshot import SandboxSnapshot, snapshot_from_labels
 from ..subprocess import tree_copy
-from ..sweep import kill_args
+from ..sweep import MARK_VAR, kill_args, sweep_argv
 from .client import CHUNK, answer_within, connect
 from .config import SSHConfig
 from .faults import paramiko_failures
-from .process import MARKER_VAR
 
 if TYPE_CHECKING:
     import paramiko
@@ -37,6 +36,13 @@ _SANDBOX_PREFIX = "vf-sandbox."
 _META = "sandbox.json"
 _SNAPSHOT_PREFIX = "vf-snapshot."
 _SNAPSHOT_META = "snapshot.json"
+_MARK = re.compile(r"[0-9a-f]{32}")
+"""A runtime's mark (``uuid4().hex``), the suffix of its sandbox directory's name."""
+
+LEGACY_MARK_VAR = "VF_SANDBOX_ID"
+"""The variable vf-sandbox releases before issue 33 marked an SSH sandbox's processes with
+(value: the directory's name, ``vf-sandbox.`` and mktemp's ten characters). Only
+:func:`directory_mark` still reads it, so cleanup finds what such a sandbox left running."""
 
 
 class ControlScript(NamedTuple):
@@ -53,13 +59,33 @@ class ControlScript(NamedTuple):
 
 
 def setup_script(
-    workdir: str | None, snapshot: str | None = None, passage: bool = False
+    mark: str, workdir: str | None, snapshot: str | None = None, passage: bool = False
 ) -> ControlScript:
-    """Create the sandbox directory (metadata on stdin); prints it, the workdir and tools.
-    ``snapshot``: a snapshot directory whose tree becomes the workdir; ``passage``: let the
-    policy's account through the directory."""
-    args = (_SANDBOX_PREFIX, _META, workdir or "", snapshot or "", "1" if passage else "")
+    """Create the sandbox directory ``vf-sandbox.<mark>`` (metadata on stdin); prints it, the
+    workdir and tools. ``mark``: the runtime's mark, which every process of the sandbox
+    carries (so cleanup reads it back from the name: :func:`directory_mark`); ``snapshot``: a
+    snapshot directory whose tree becomes the workdir; ``passage``: let the policy's account
+    through the directory.
+
+    Raises:
+        SandboxInvalidArgumentError: ``mark`` is not a runtime's mark (32 hex digits).
+    """
+    if not _MARK.fullmatch(mark):
+        raise SandboxInvalidArgumentError(f"not a runtime's mark: {mark!r}")
+    name = _SANDBOX_PREFIX + mark
+    args = (name, _META, workdir or "", snapshot or "", "1" if passage else "")
     return ControlScript("setup", args)
+
+
+def directory_mark(directory: str) -> str:
+    """The mark (``NAME=value``) the processes of the sandbox ``directory`` carry, read from
+    its name: ``VF_SANDBOX_RUNTIME=<mark>`` for ``vf-sandbox.<mark>``; for a directory of an
+    older release (any other name), ``VF_SANDBOX_ID=<its name>``."""
+    name = posixpath.basename(directory)
+    suffix = name.removeprefix(_SANDBOX_PREFIX)
+    if _MARK.fullmatch(suffix):
+        return f"{MARK_VAR}={suffix}"
+    return f"{LEGACY_MARK_VAR}={name}"
 
 
 def snapshot_script(workdir: str) -> ControlScript:
@@ -70,18 +96,18 @@ def snapshot_script(workdir: str) -> ControlScript:
     return ControlScript("snapshot", args)
 
 
-def kill_script(pgids: Iterable[int], marker: str | None = None) -> ControlScript:
+def kill_script(pgids: Iterable[int], mark: str | None = None) -> ControlScript:
     """Kill process groups with the one kill (``runtimes/scripts/kill.sh``): each leader's pid
     first (the wrapper reports it before setsid() makes it a group), then the group; with
-    ``marker``, only groups whose leader's environment still carries it."""
-    args = kill_args(pgids, mark=None if marker is None else f"{MARKER_VAR}={marker}")
+    ``mark`` (the runtime's), only groups whose leader's environment still carries it."""
+    args = kill_args(pgids, mark=None if mark is None else f"{MARK_VAR}={mark}")
     return ControlScript("kill", tuple(args), package="runtimes.scripts")
 
 
-def remove_script(directory: str, marker: str | None, home: str | None) -> ControlScript:
-    """Sweep (freeze, then kill) every process whose environment carries the marker or whose
-    working directory is ``home``, then remove ``directory``."""
-    sweep = sweep_argv("mark", f"{MARKER_VAR}={marker}", home=home) if marker else []
+def remove_script(directory: str, mark: str | None, home: str | None) -> ControlScript:
+    """Sweep (freeze, then kill) every process whose environment carries ``mark``
+    (``NAME=value``) or whose working directory is ``home``, then remove ``directory``."""
+    sweep = sweep_argv("mark", mark, home=home) if mark else []
     return ControlScript("remove", (directory, *sweep))
 
 
@@ -182,7 +208,7 @@ async def destroy_host_sandbox(info: SandboxInfo, config: SSHConfig) -> None:
     :meth:`SSHRuntime.destroy_sandbox`)."""
     if not valid_sandbox_dir(info.id):
         raise SandboxInvalidArgumentError(f"not an ssh sandbox directory: {info.id!r}")
-    script = remove_script(info.id, posixpath.basename(info.id), f"{info.id}/work")
+    script = remove_script(info.id, directory_mark(info.id), f"{info.id}/work")
     code, _, err = await _one_shot(config, script)
     if code != 0:
         raise SandboxTransportError(f"removing {info.id} on {config.destination} failed: {err!r}")

@@ -27,6 +27,7 @@ from ..errors import ProvisioningError
 from ..models import ExecRequest, OutputSink, StdinSource, Stream
 from ..resources import MIB
 from ..stdin_feed import feed_stdin
+from ..sweep import MARK_VAR
 from ..wrapper import ReportReader, wrapper_argv
 from .client import CHUNK, answer_within
 from .config import SSHConfig
@@ -34,9 +35,6 @@ from .faults import paramiko_failures
 
 if TYPE_CHECKING:
     import paramiko
-
-MARKER_VAR = "VF_SANDBOX_ID"
-"""The environment variable that marks every process of the sandbox (its directory's name)."""
 
 
 @dataclass(frozen=True)
@@ -56,12 +54,13 @@ class Tools:
 
 
 def wrapped_argv(
-    request: ExecRequest, nonce: str, marker: str, tools: Tools, run_as: str | None
+    request: ExecRequest, nonce: str, mark: str, tools: Tools, run_as: str | None
 ) -> list[str]:
     """The argv that runs ``request`` under the one exec wrapper (``runtimes/scripts/exec.sh``):
     ``wait`` mode (the command in a session of its own, the wrapper waits), ``runuser`` for
-    ``user=``, the tools from where setup found them, the sandbox's marker in the env."""
-    marked = dataclasses.replace(request, env={**request.env, MARKER_VAR: marker})
+    ``user=``, the tools from where setup found them, the runtime's mark in the env (the
+    runtime's own bookkeeping commands too: a kill owed to one is guarded by it)."""
+    marked = dataclasses.replace(request, env={**request.env, MARK_VAR: mark})
     return wrapper_argv(marked, nonce, mode="wait", user=run_as, switch="runuser", tools=tools.dirs)
 
 
@@ -111,13 +110,13 @@ class AgentTransport(ChannelTransport):
         return self._channel.recv_stderr(4096).decode("utf-8", "replace").strip()[-500:]
 
 
-def agent_command_line(marker: str, interpreter: str | None = None) -> str:
-    """The agent's command for the login shell; the marker lets close() find it. Later
-    starts run the interpreter pinned at the first one, by absolute path."""
+def agent_command_line(mark: str, interpreter: str | None = None) -> str:
+    """The agent's command for the login shell; the runtime's mark lets close() find it.
+    Later starts run the interpreter pinned at the first one, by absolute path."""
     q = shlex.quote
     if interpreter is not None:
-        return f"export {MARKER_VAR}={q(marker)}; exec {q(interpreter)} -I -S -B -c {q(BOOTSTRAP)}"
-    return f"export {MARKER_VAR}={q(marker)}; exec sh -c {q(PROBE)} sh {q(BOOTSTRAP)}"
+        return f"export {MARK_VAR}={q(mark)}; exec {q(interpreter)} -I -S -B -c {q(BOOTSTRAP)}"
+    return f"export {MARK_VAR}={q(mark)}; exec sh -c {q(PROBE)} sh {q(BOOTSTRAP)}"
 
 
 class RemoteCommand:

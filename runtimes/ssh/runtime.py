@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import posixpath
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,7 +16,6 @@ import anyio.to_thread
 from .. import ownership
 from .._extract import Links
 from ..arguments import text_bytes
-from ..base import MARK_VAR, sweep_argv
 from ..channel import (
     ChannelHooks,
     ChannelTransport,
@@ -35,6 +33,7 @@ from ..errors import (
 from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..routes import HostRoute, RouteKind
 from ..snapshot import SandboxSnapshot, SnapshotNotFoundError, snapshot_from_labels
+from ..sweep import MARK_VAR, sweep_argv
 from ..wrapper import check_argv_size, new_nonce, spool_argv
 from .client import Connection
 from .config import SSHConfig
@@ -53,7 +52,6 @@ from .control import (
 )
 from .files import is_dir, sftp_exists, sftp_read, sftp_read_or_none, sftp_write
 from .process import (
-    MARKER_VAR,
     AgentTransport,
     RemoteCommand,
     Tools,
@@ -128,9 +126,9 @@ class SSHRuntime(ConnectedRuntime):
         return self._kill_wait
 
     def _channel_env(self, request: ExecRequest) -> Mapping[str, str]:
-        """The sandbox's marker, which the plain path's wrapper sets itself."""
-        assert self._marker is not None
-        return {MARKER_VAR: self._marker}
+        """The runtime's mark on the runtime's own bookkeeping commands too, as the plain
+        path's wrapper sets it (a kill owed to one of them is guarded by it)."""
+        return {MARK_VAR: self._mark}
 
     def _sweep_argv(self) -> list[str]:
         """Processes carrying the runtime's mark or working in a workdir of the sandbox's
@@ -139,9 +137,13 @@ class SSHRuntime(ConnectedRuntime):
         beyond reach (``docs/security.md``)."""
         home = self._workdir if self._owns_workdir else None
         agent = self._channel_agent_pid()
-        mark = f"{MARK_VAR}={self._mark}"
         users = ",".join(u for u in (self.policy_user, self.judge_user) if u)
-        return sweep_argv("mark", mark, keep=agent, user=users, home=home)
+        return sweep_argv("mark", self._mark_entry, keep=agent, user=users, home=home)
+
+    @property
+    def _mark_entry(self) -> str:
+        """The mark as sweeps and kills look for it in ``/proc/PID/environ``."""
+        return f"{MARK_VAR}={self._mark}"
 
     @property
     def sandbox_id(self) -> str | None:
@@ -150,10 +152,6 @@ class SSHRuntime(ConnectedRuntime):
     def describe(self) -> str:
         where = f"{self.config.destination}:{self._dir}" if self._dir else self.config.destination
         return f"ssh sandbox {where}"
-
-    @property
-    def _marker(self) -> str | None:
-        return posixpath.basename(self._dir) if self._dir else None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -177,6 +175,7 @@ class SSHRuntime(ConnectedRuntime):
         }
         snap = self._snapshot_source
         script = setup_script(
+            self._mark,
             self.config.workdir,
             snap.id if snap is not None else None,
             passage=self._inherits_policy_account(),
@@ -278,7 +277,7 @@ class SSHRuntime(ConnectedRuntime):
 
     async def _remove_remote(self) -> None:
         assert self._dir is not None
-        script = remove_script(self._dir, self._marker, f"{self._dir}/work")
+        script = remove_script(self._dir, self._mark_entry, f"{self._dir}/work")
         try:
             code, _, err = await self._control(script)
         except (SandboxUnavailableError, ProvisioningError) as exc:
@@ -305,7 +304,7 @@ class SSHRuntime(ConnectedRuntime):
             if self._dir is not None and not self._keep:
                 if conn is None or not conn.usable():
                     conn = self._open_connection()
-                script = remove_script(self._dir, self._marker, f"{self._dir}/work")
+                script = remove_script(self._dir, self._mark_entry, f"{self._dir}/work")
                 run_control(conn.transport, script, None, self.config.io_timeout)
         finally:
             if conn is not None:
@@ -388,9 +387,8 @@ class SSHRuntime(ConnectedRuntime):
 
     async def _open_agent(self, interpreter: str | None = None) -> ChannelTransport:
         """Start the channel agent on a channel of its own (stdin attached)."""
-        assert self._marker is not None
         conn, channel = await self._retrying(self._open_channel)
-        command = text_bytes(agent_command_line(self._marker, interpreter), "the agent's command")
+        command = text_bytes(agent_command_line(self._mark, interpreter), "the agent's command")
         with self._paramiko_calls(
             conn, "starting the channel agent", "the server refused the agent"
         ):
@@ -410,10 +408,10 @@ class SSHRuntime(ConnectedRuntime):
 
     async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
         run_as = self._run_as(request)
-        assert self._exec_slots is not None and self._marker is not None and self._dir is not None
+        assert self._exec_slots is not None and self._dir is not None
         assert self._tools is not None
         nonce = new_nonce()
-        argv = wrapped_argv(request, nonce, self._marker, self._tools, run_as)
+        argv = wrapped_argv(request, nonce, self._mark, self._tools, run_as)
         # The limits are set on the wrapper: it, runuser and the command inherit them.
         command = command_line([*self._limits, *argv])
         if len(command) > _INLINE_SCRIPT_LIMIT:
@@ -516,13 +514,12 @@ class SSHRuntime(ConnectedRuntime):
 
     async def _kill_orphan_groups(self, pgids: frozenset[int]) -> None:
         """Kill the process groups earlier kills missed, if they are still ours (their
-        leader carries this sandbox's marker: after a reboot the ids mean other processes).
+        leader carries the runtime's mark: after a reboot the ids mean other processes).
 
         Raises:
             SandboxError: the kill could not be delivered.
         """
-        assert self._marker is not None
-        await self._control(kill_script(pgids, self._marker), timeout=self._kill_wait)
+        await self._control(kill_script(pgids, self._mark), timeout=self._kill_wait)
 
     # ------------------------------------------------------------------ files
 

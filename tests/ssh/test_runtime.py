@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from runtimes import (
+    ProvisioningError,
     SandboxInvalidArgumentError,
     SandboxUnavailableError,
     open_runtime,
@@ -20,6 +21,8 @@ from runtimes import (
 )
 from runtimes.cleanup import cleanup_sandboxes
 from runtimes.ssh import SSHConfig, SSHRuntime
+from runtimes.ssh.control import directory_mark, setup_script
+from runtimes.sweep import MARK_VAR
 from tests.ssh.sshd import SSHServer
 
 pytestmark = pytest.mark.anyio
@@ -246,3 +249,72 @@ async def test_destroy_refuses_foreign_paths(sshd: SSHServer) -> None:
     for bad in ("/", "/etc", "/tmp/vf-sandbox.x/../..", "relative/vf-sandbox.x"):
         with pytest.raises(SandboxInvalidArgumentError):
             await SSHRuntime.destroy_sandbox(SandboxInfo("ssh", bad, {}), sshd.config())
+
+
+# ---------------------------------------------------------------------- the mark
+
+
+@pytest.mark.parametrize("channel", [True, False], ids=["channel", "plain"])
+async def test_one_mark_names_the_directory_and_marks_every_command(
+    sshd: SSHServer, channel: bool
+) -> None:
+    """Issue 33: one environment mark. Every command carries ``VF_SANDBOX_RUNTIME`` with the
+    runtime's mark, which also names the sandbox directory; the pre-33 ``VF_SANDBOX_ID`` is
+    gone."""
+    async with open_runtime(sshd.config(channel=channel)) as rt:
+        assert isinstance(rt, SSHRuntime)
+        mark = rt._mark
+        assert rt.sandbox_id == f"/tmp/vf-sandbox.{mark}"
+        env = (await rt.exec(["env"])).stdout.splitlines()
+        assert f"{MARK_VAR}={mark}" in env
+        assert not any(line.startswith("VF_SANDBOX_ID=") for line in env), env
+        mode = (await rt.exec(["stat", "-c", "%a", rt.sandbox_id])).stdout.strip()
+        assert mode == "700"
+
+
+@pytest.mark.parametrize("release", ["current", "older"])
+async def test_cleanup_sweeps_a_dead_session_by_its_mark(sshd: SSHServer, release: str) -> None:
+    """A leftover that left the workdir is found by the mark alone: the one the directory's
+    name gives, or, for a sandbox of a release before issue 33 (``vf-sandbox.`` and mktemp's
+    ten characters), the ``VF_SANDBOX_ID`` it carried."""
+    config = sshd.config()
+    dead = await anyio.to_thread.run_sync(_run_child, config, "crash", _token())
+    if release == "older":
+        name = f"vf-sandbox.Old{random.randint(10**6, 10**7 - 1)}"
+        sshd.docker_exec(f"mv '{dead}' '/tmp/{name}'")
+        dead, entry = f"/tmp/{name}", f"VF_SANDBOX_ID={name}"
+    else:
+        entry = f"{MARK_VAR}={dead.removeprefix('/tmp/vf-sandbox.')}"
+    token = _token()
+    sshd.docker_exec(f"cd / && env '{entry}' nohup sleep {token} >/dev/null 2>&1 &")
+    assert _remote_processes(sshd, token)
+
+    results = {r.info.id: r for r in await cleanup_sandboxes([config])}
+    assert results[dead].action == "removed", results[dead]
+    assert not _remote_exists(sshd, dead)
+    assert _remote_processes(sshd, token) == []
+
+
+def test_directory_mark() -> None:
+    mark = "0123456789abcdef0123456789abcdef"
+    assert directory_mark(f"/tmp/vf-sandbox.{mark}") == f"{MARK_VAR}={mark}"
+    assert directory_mark("/tmp/vf-sandbox.AbCdEfGhIj") == "VF_SANDBOX_ID=vf-sandbox.AbCdEfGhIj"
+    assert setup_script(mark, None).args[0] == f"vf-sandbox.{mark}"
+    for bad in ("", "../../etc", "x" * 32, mark.upper(), mark + "/"):
+        with pytest.raises(SandboxInvalidArgumentError):
+            setup_script(bad, None)
+
+
+async def test_a_squatted_directory_name_is_refused_not_adopted(sshd: SSHServer) -> None:
+    """The directory is made by ``mkdir``, which fails on a name already taken: a squatter
+    (here a symlink to a directory it owns) never becomes the sandbox, nor is it removed. (The
+    mark is random and first leaves the runtime in the set-up command: the test reads it.)"""
+    rt = SSHRuntime(sshd.config())
+    name, target = f"/tmp/vf-sandbox.{rt._mark}", f"/tmp/vf-squat-{_token()}"
+    sshd.docker_exec(f"mkdir '{target}' && ln -s '{target}' '{name}'")
+    try:
+        with pytest.raises(ProvisioningError, match="File exists"):
+            await rt.start()
+        assert sshd.docker_exec(f"ls -A '{target}'; readlink '{name}'").split() == [target]
+    finally:
+        sshd.docker_exec(f"rm -rf '{target}' '{name}'")
