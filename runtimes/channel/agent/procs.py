@@ -1,7 +1,7 @@
 """The sandbox's processes as the agent sees them in ``/proc``: read, never forked for.
 
 Part of the agent's joined source (:mod:`runtimes.channel.agent`): standard library only,
-Python >= 3.8; never imported by the host.
+Python >= 3.8. The subprocess backend's host sweep imports it too (with :mod:`.sweep`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,45 @@ def proc_stat(pid: int) -> list[str] | None:
         return None
     fields = data[data.rfind(b")") + 2 :].decode("ascii", "replace").split()
     return fields if len(fields) > 19 else None
+
+
+class ProcStat:
+    """The fields of ``/proc/PID/stat`` a sweep reads."""
+
+    __slots__ = ("pgid", "ppid", "sid", "start", "state")
+
+    def __init__(self, fields: list[str]) -> None:
+        self.state = fields[0]
+        self.ppid = int(fields[1])
+        self.pgid = int(fields[2])
+        self.sid = int(fields[3])
+        self.start = int(fields[19])
+
+
+def process_stat(pid: int) -> ProcStat | None:
+    """:func:`proc_stat`, parsed; ``None``: the process is gone (or its stat unreadable)."""
+    fields = proc_stat(pid)
+    try:
+        return None if fields is None else ProcStat(fields)
+    except ValueError:
+        return None
+
+
+def newest_first() -> list[tuple[int, int]]:
+    """(pid, inode of ``/proc/PID``) of every process, the most recently allocated pid first:
+    a fork loop's live generation is among the newest, and must be reached before it forks
+    again and exits. Pids are allocated upwards from the last one (``/proc/loadavg``'s last
+    field) and wrap. The inode tells a reused pid from the process once seen (procfs gives
+    a new process a new entry). Raises OSError if ``/proc`` cannot be listed."""
+    with os.scandir("/proc") as entries:
+        pids = [(int(e.name), e.inode()) for e in entries if e.name.isdigit()]
+    pids.sort(reverse=True)
+    try:
+        with open("/proc/loadavg", "rb") as handle:
+            last = int(handle.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return pids
+    return [p for p in pids if p[0] <= last] + [p for p in pids if p[0] > last]
 
 
 def process_ids() -> list[int]:

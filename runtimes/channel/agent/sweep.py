@@ -1,35 +1,61 @@
-"""SWEEP in the agent: ``stop_processes()`` without forking, and what a command that could
+"""SWEEP: the one freeze-then-kill sweep of ``/proc`` in Python, and what a command that could
 not be given a process reports (agent part).
 
-At a sandbox's process limit (``pids_limit``) nothing new can be forked: the sweep script
-(``scripts/sweep.sh``) cannot even start, at the very moment a fork loop fills the sandbox.
-The agent is a process already; it walks ``/proc`` and signals from its main thread (a
-worker thread would be a new task too), with the script's rules: freeze (``SIGSTOP``) every
-matching process until a pass finds none running and none it had not seen, then ``SIGKILL``
-them all.
+:class:`ProcessSweep` is the sweep, whatever selects the processes: it freezes
+(``SIGSTOP``) every matching process, newest pid first, until several passes in a row find
+nothing new (a stopped process cannot fork), then ``SIGKILL``\\ s them all, waits for their
+deaths and scans again to verify. Two users:
+
+* the channel agent (:class:`Sweep`, the ``SWEEP`` request): ``stop_processes()`` without
+  forking. At a sandbox's process limit (``pids_limit``) nothing new can be forked: the
+  sweep script (``scripts/sweep.sh``) cannot even start, at the very moment a fork loop
+  fills the sandbox. The agent is a process already; it walks ``/proc`` and signals from
+  its main thread (a worker thread would be a new task too), selecting as the script does.
+* the subprocess backend's host (:mod:`runtimes.subprocess.sweep`), whose sandbox is a
+  directory: it selects by the environment mark, the sessions its commands started and
+  what works in the sandbox's directories, since the sandbox's creation.
 
 Part of the agent's joined source (:mod:`runtimes.channel.agent`): standard library only,
-Python >= 3.8; never imported by the host.
+Python >= 3.8. The host imports it for the subprocess backend: that is the installed
+package's code run by the machinery, never a copy from a place a sandbox could write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from typing import TYPE_CHECKING
 
-from .procs import is_running, proc_stat, process_ids
+from .procs import ProcStat, newest_first, process_stat
 
 if TYPE_CHECKING:
     from .wire import SweepHeader
 
-DEATH_WAIT = 1.0
-"""Seconds a sweep waits for the processes it killed to be gone."""
+SWEEP_SECONDS = 10.0
+"""How long the freezing passes of one attempt may go on before the sweep kills what it
+froze."""
 MAX_PASSES = 500
-"""As the script's: a bound on the passes over /proc, whatever the sandbox does."""
+"""As the script's: the agent's bound on the passes over /proc, whatever the sandbox does."""
+QUIET_PASSES = 3
+"""Consecutive passes that must find nothing new before the sweep kills what it froze."""
+SWEEP_ATTEMPTS = 3
+"""Freeze-kill-verify rounds before what is left counts as a survivor."""
+DEATH_WAIT = 3.0
+"""Seconds a sweep waits for the processes it killed to be gone."""
 PIDS_MAX = ("/sys/fs/cgroup/pids/pids.max", "/sys/fs/cgroup/pids.max")
 """The sandbox's process limit: cgroup v1, then v2."""
+DELETED = " (deleted)"
+"""What ``/proc`` appends to the path of a link to a removed file."""
+NOT_OURS, DESCENDANT, LOCATED = 0, 1, 2
+"""What a process is to a sweep: not to be touched; started by the sandbox (its whole
+process group is the sandbox's); found working in the sandbox's places."""
+SENT, GONE, DENIED = "sent", "gone", "denied"
+
+STARTS: dict[int, tuple[int, int]] = {}
+"""pid -> (inode of /proc/PID, start in clock ticks since boot), kept across sweeps: a
+process's start never changes, so each sweep reads the stat of new processes only."""
 
 
 def pids_limit() -> str:
@@ -50,99 +76,271 @@ def ancestors(pid: int) -> set[int]:
     found = set()
     while pid > 1 and pid not in found:
         found.add(pid)
-        fields = proc_stat(pid)
-        if fields is None:
+        st = process_stat(pid)
+        if st is None:
             break
-        pid = int(fields[1])
+        pid = st.ppid
     return found
 
 
-class Sweep:
-    """One SWEEP: which processes match is the script's rule for the mode (``all``: not in
-    session 1; ``since:T``: started at tick T or later; ``mark``: carrying the mark, owned
-    by one of the users (comma-separated), or working in ``home``). The agent's session and
-    ancestors are spared."""
+def link_target(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
 
-    def __init__(self, header: SweepHeader) -> None:
-        self.mode = header.mode
-        self.since = int(header.mode[6:]) if header.mode.startswith("since:") else None
-        self.mark = header.mark.encode("utf-8", "surrogateescape")
-        self.home = header.home
-        self.uids = {u for u in map(user_id, header.user.split(",")) if u is not None}
-        self.session = os.getsid(0)
-        self.kept = ancestors(os.getpid())
-        self.seen: set[int] = set()
-        self.other: set[tuple[int, str]] = set()
-        self.running = 0
-        self.unsure = False
 
-    def run(self) -> int:
-        """Freeze until quiet, then kill; how many were killed."""
-        listed: set[int] = set()
-        quiet = 0
-        for number in range(1, MAX_PASSES + 1):
-            before, listed = listed, set(process_ids())
-            self.running, self.unsure = 0, False
-            # New processes first: a fork loop's live member is among them, about to exit.
-            for pid in sorted(listed - before):
-                self.look(pid, True)
-            for pid in sorted(listed & before):
-                self.look(pid, False)
-            quiet = quiet + 1 if self.running == 0 else 0
-            if self.mode == "mark":
-                if quiet >= 3:
-                    break
-            elif self.running == 0 and not self.unsure and number > 1:
+def send_signal(pid: int, start: int, sig: int) -> str:
+    """Signal the process ``pid`` started at ``start`` (through a pidfd where Python and the
+    kernel have them, so a reused pid is never hit): ``SENT``, ``GONE`` (exited, or the pid
+    is another process now) or ``DENIED`` (another user's process)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return GONE
+    except (AttributeError, OSError):  # Python < 3.9, or no pidfd to be had: kill(2)
+        pidfd = -1
+    try:
+        now = process_stat(pid)
+        if now is None or now.start != start:
+            return GONE
+        if pidfd < 0:
+            os.kill(pid, sig)
+        else:
+            signal.pidfd_send_signal(pidfd, sig)
+        return SENT
+    except ProcessLookupError:
+        return GONE
+    except PermissionError:
+        return DENIED
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def wait_gone(processes: dict[int, int]) -> None:
+    """A SIGKILLed process dies when it next runs: wait (at most ``DEATH_WAIT`` s) until
+    none of ``processes`` (pid -> start) runs, so that the caller finds them gone."""
+    deadline = time.monotonic() + DEATH_WAIT
+    pending = dict(processes)
+    while pending and time.monotonic() < deadline:
+        for pid, start in list(pending.items()):
+            st = process_stat(pid)
+            if st is None or st.start != start or st.state in ("Z", "X", "x"):
+                del pending[pid]
+        if pending:
+            time.sleep(0.002)
+
+
+class ProcessSweep:
+    """One sweep. A process matches when it started at ``since`` (clock ticks since boot) or
+    later, is in none of the ``spared`` sessions, and: with ``anything``, always; else when
+    it carries ``mark`` (one ``NAME=value`` item of its environment), is in one of the
+    ``sessions`` (session id -> start of the leader the sandbox started; not if it carries
+    another ``mark_var`` value, or the id was reused since), is owned by one of ``uids``,
+    works in ``home``, or has its cwd, root, executable, an open file or a mapping under
+    one of ``dirs`` (real paths; in this process's mount namespace only). With ``groups``,
+    a process the sandbox started has its whole process group stopped at once, so that a
+    loop forking within its group is caught mid-fork. This process and its ancestors are
+    spared."""
+
+    max_passes: int | None = None
+    """A bound on the passes over /proc of one attempt (the deadline bounds them anyway)."""
+
+    def __init__(
+        self,
+        *,
+        since: int = 0,
+        anything: bool = False,
+        spared: tuple[int, ...] = (),
+        mark: bytes = b"",
+        mark_var: bytes = b"",
+        sessions: dict[int, int] | None = None,
+        uids: tuple[int, ...] = (),
+        home: str = "",
+        dirs: tuple[str, ...] = (),
+        groups: bool = False,
+    ) -> None:
+        self.since = since
+        self.anything = anything
+        self.spared = set(spared)
+        self.mark = mark
+        self.mark_var = mark_var or mark[: mark.find(b"=") + 1]
+        self.sessions = {} if sessions is None else sessions  # the caller's, as it grows
+        self.uids = set(uids)
+        self.home = home
+        self.dirs = dirs
+        self.groups = groups
+
+    def sweep(self) -> tuple[int, list[int]]:
+        """Freeze-then-kill every matching process; (how many were killed, the pids of those
+        still running: not signallable, or still appearing at the deadline).
+
+        Raises:
+            OSError: /proc cannot be listed.
+        """
+        keep = ancestors(os.getpid()) | {0, 1}
+        keep_groups = {0, 1, os.getpgrp()}
+        for pid in keep:
+            st = process_stat(pid)
+            if st is not None:
+                keep_groups.add(st.pgid)
+        own_mnt = link_target("/proc/self/ns/mnt")
+        killed: set[tuple[int, int]] = set()
+        denied: set[tuple[int, int]] = set()
+        left: list[int] = []
+        for _ in range(SWEEP_ATTEMPTS):
+            frozen = self.freeze(keep, keep_groups, denied, own_mnt)
+            for pid, start in frozen.items():
+                if send_signal(pid, start, signal.SIGKILL) == SENT:
+                    killed.add((pid, start))
+            wait_gone(frozen)
+            found = self.matching(keep, own_mnt)
+            left = [pid for pid, st in found.items() if (pid, st.start) not in denied]
+            if not left:
                 break
-        killed = 0
-        for pid in self.seen:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except OSError:
-                pass
-        self.wait_for_deaths()
-        return killed
+        survivors = {pid for pid, _start in denied if process_stat(pid) is not None}
+        return len(killed), sorted(survivors.union(left))
 
-    def wait_for_deaths(self) -> None:
-        """A SIGKILLed process dies when it next runs: wait (at most ``DEATH_WAIT`` s) until
-        none of the killed still runs, so that the caller finds them gone."""
-        deadline = time.monotonic() + DEATH_WAIT
-        while any(is_running(proc_stat(pid)) for pid in self.seen):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.001)
+    def freeze(
+        self,
+        keep: set[int],
+        keep_groups: set[int],
+        denied: set[tuple[int, int]],
+        own_mnt: str | None,
+    ) -> dict[int, int]:
+        """SIGSTOP every match, pass after pass, until the sweep may end (or the deadline);
+        pid -> start of those frozen. With ``anything`` (a sandbox of the backend's own) it
+        ends after a pass, not the first, that froze nothing and read every process new
+        since the pass before: one that forked and exited between two passes leaves its
+        child in the next listing. Beside a host's other processes, which come and go all
+        the time, it ends after ``QUIET_PASSES`` in a row that froze nothing."""
+        frozen: dict[int, int] = {}
+        cleared: set[tuple[int, int]] = set()  # (pid, inode) not ours: not looked at again
+        deadline = time.monotonic() + SWEEP_SECONDS
+        quiet = passes = 0
+        listed: set[int] = set()
+        while time.monotonic() < deadline:
+            if self.max_passes is not None and passes >= self.max_passes:
+                break
+            passes += 1
+            moving = unsure = False
+            listing = newest_first()
+            before, listed = listed, {pid for pid, _inode in listing}
+            # New processes first (a fork loop's live member is among them), newest first.
+            fresh = [entry for entry in listing if entry[0] not in before]
+            for pid, inode in fresh + [entry for entry in listing if entry[0] in before]:
+                if pid in keep or (pid, inode) in cleared:
+                    continue
+                st = self.fresh_stat(pid, inode)
+                if pid not in before and (st is None or st.state in ("Z", "X", "x")):
+                    known = STARTS.get(pid)  # gone, unless known to be older than `since`
+                    older = known is not None and known[0] == inode and known[1] < self.since
+                    unsure = unsure or st is not None or not older
+                if st is None or (pid, st.start) in denied:
+                    continue
+                if frozen.get(pid) == st.start and st.state in ("T", "t"):
+                    continue
+                kind = self.belongs(pid, st, own_mnt)
+                if kind == NOT_OURS:
+                    cleared.add((pid, inode))  # the verifying scan looks again
+                    continue
+                moving = True
+                outcome = send_signal(pid, st.start, signal.SIGSTOP)
+                if outcome == SENT:
+                    frozen[pid] = st.start
+                elif outcome == DENIED:
+                    denied.add((pid, st.start))
+                # A group only holds processes of its session, and every process of a
+                # session the sandbox started is the sandbox's.
+                if (
+                    self.groups
+                    and st.pgid not in keep_groups
+                    and (kind == DESCENDANT or self.descends(pid, st))
+                ):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(st.pgid, signal.SIGSTOP)
+            if self.anything:
+                if passes > 1 and not moving and not unsure:
+                    break
+            else:
+                quiet = 0 if moving else quiet + 1
+                if quiet >= QUIET_PASSES:
+                    break
+        return frozen
 
-    def look(self, pid: int, new: bool) -> None:
-        """Freeze ``pid`` if it matches (``new``: the pass before did not list it)."""
-        if pid in self.kept:
-            return
-        fields = proc_stat(pid)
-        if fields is None or fields[0] in ("Z", "X", "x"):
-            self.unsure = self.unsure or new  # it may have left a child the next pass lists
-            return
-        started = fields[19]
-        if (pid, started) in self.other:
-            return
-        if not self.matches(pid, int(fields[3]), int(started)):
-            self.other.add((pid, started))
-            return
-        self.seen.add(pid)
-        if fields[0] not in ("T", "t"):
-            try:
-                os.kill(pid, signal.SIGSTOP)
-                self.running += 1
-            except OSError:
-                pass
+    def matching(self, keep: set[int], own_mnt: str | None) -> dict[int, ProcStat]:
+        """Every process that matches now (the verifying scan)."""
+        found: dict[int, ProcStat] = {}
+        listing = newest_first()
+        for pid, inode in listing:
+            if pid in keep:
+                continue
+            st = self.fresh_stat(pid, inode)
+            if st is not None and self.belongs(pid, st, own_mnt):
+                found[pid] = st
+        if len(STARTS) > 2 * len(listing) + 1024:
+            live = dict(listing)
+            for pid in list(STARTS):
+                if live.get(pid) != STARTS[pid][0]:
+                    del STARTS[pid]
+        return found
 
-    def matches(self, pid: int, session: int, started: int) -> bool:
-        if session == self.session:
+    def fresh_stat(self, pid: int, inode: int) -> ProcStat | None:
+        """The process's stat, or None if it is gone or started before ``since`` (known
+        from ``STARTS`` without reading anything)."""
+        known = STARTS.get(pid)
+        if known is not None and known[0] == inode and known[1] < self.since:
+            return None
+        st = process_stat(pid)
+        if st is not None:
+            STARTS[pid] = (inode, st.start)
+            if st.start < self.since:
+                return None
+        return st
+
+    def belongs(self, pid: int, st: ProcStat, own_mnt: str | None) -> int:
+        """``DESCENDANT``, ``LOCATED`` or ``NOT_OURS`` (zombies included). The cheapest
+        sufficient test (the cwd, one syscall) comes first: a fork loop's generation lives
+        for a moment only."""
+        if st.start < self.since or st.state in ("Z", "X", "x") or st.sid in self.spared:
+            return NOT_OURS
+        if self.anything:
+            return LOCATED
+        if self.dirs:
+            cwd = link_target(f"/proc/{pid}/cwd")
+            if cwd is not None and self.holds(cwd) and self.same_mnt(pid, own_mnt):
+                return LOCATED
+        if self.descends(pid, st):
+            return DESCENDANT
+        if self.owned_by_user(pid) or self.works_in_home(pid):
+            return LOCATED
+        return LOCATED if self.located_under(pid, own_mnt) else NOT_OURS
+
+    def descends(self, pid: int, st: ProcStat) -> bool:
+        """Started by the sandbox: carries its mark, or is in a session one of its commands
+        started (unless that session id was reused since: its leader alive but not the
+        process started, or the process marked as another sandbox's)."""
+        if not self.mark and st.sid not in self.sessions:
             return False
-        if self.mode == "all":
-            return session != 1
-        if self.since is not None:
-            return started >= self.since
-        return self.owned_by_user(pid) or self.works_in_home(pid) or self.carries_mark(pid)
+        marks = self.marks(pid)
+        if marks and self.mark and self.mark in marks:
+            return True
+        start = self.sessions.get(st.sid)
+        if start is not None and not marks:
+            leader = process_stat(st.sid)
+            if leader is None or leader.start == start:
+                return True
+        return False
+
+    def marks(self, pid: int) -> list[bytes] | None:
+        """The items of the process's environment that name ``mark_var``."""
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                data = handle.read()
+        except OSError:
+            return None
+        return [item for item in data.split(b"\0") if item.startswith(self.mark_var)]
 
     def owned_by_user(self, pid: int) -> bool:
         if not self.uids:
@@ -164,12 +362,69 @@ class Sweep:
         except OSError:
             return False
 
-    def carries_mark(self, pid: int) -> bool:
+    def holds(self, path: str) -> bool:
+        """Whether ``path`` (as /proc shows it) is one of ``dirs`` or under one."""
+        if path.endswith(DELETED):
+            path = path[: -len(DELETED)]
+        return any(path == d or path.startswith(d + "/") for d in self.dirs)
+
+    def same_mnt(self, pid: int, own_mnt: str | None) -> bool:
+        return own_mnt is not None and link_target(f"/proc/{pid}/ns/mnt") == own_mnt
+
+    def located_under(self, pid: int, own_mnt: str | None) -> bool:
+        """cwd, root, executable, an open file or a mapping under ``dirs``. Only in this
+        process's mount namespace, where paths mean the same."""
+        base = f"/proc/{pid}"
+        if not self.dirs or not self.same_mnt(pid, own_mnt):
+            return False
+        for link in ("cwd", "root", "exe"):
+            found = link_target(f"{base}/{link}")
+            if found is not None and self.holds(found):
+                return True
         try:
-            with open(f"/proc/{pid}/environ", "rb") as handle:
-                return self.mark in handle.read().split(b"\0")
+            fds = os.listdir(f"{base}/fd")
+        except OSError:
+            fds = []
+        for fd in fds:
+            found = link_target(f"{base}/fd/{fd}")
+            if found is not None and found.startswith("/") and self.holds(found):
+                return True
+        try:
+            with open(f"{base}/maps", "rb") as handle:
+                maps = handle.read().decode("utf-8", "surrogateescape")
         except OSError:
             return False
+        for line in maps.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith("/") and self.holds(parts[5]):
+                return True
+        return False
+
+
+class Sweep(ProcessSweep):
+    """The agent's SWEEP: ``scripts/sweep.sh``'s rule for the mode (``all``: not in session
+    1; ``since:T``: started at tick T or later; ``mark``: carrying the mark, owned by one of
+    the users (comma-separated), or working in ``home``). The agent's session is spared."""
+
+    max_passes = MAX_PASSES
+
+    def __init__(self, header: SweepHeader) -> None:
+        mode = header.mode
+        since = int(mode[6:]) if mode.startswith("since:") else 0
+        own = os.getsid(0)
+        selective = mode != "all" and not mode.startswith("since:")
+        super().__init__(
+            since=since,
+            anything=not selective,
+            spared=(own, 1) if mode == "all" else (own,),
+            mark=header.mark.encode("utf-8", "surrogateescape") if selective else b"",
+            uids=tuple(u for u in map(user_id, header.user.split(",")) if u is not None),
+            home=header.home if selective else "",
+        )
+
+    def run(self) -> int:
+        """Freeze until quiet, then kill; how many were killed."""
+        return self.sweep()[0]
 
 
 def user_id(user: str) -> int | None:

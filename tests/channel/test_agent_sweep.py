@@ -1,0 +1,97 @@
+"""The one freeze-then-kill sweep (:mod:`runtimes.channel.agent.sweep`): the channel agent's
+SWEEP and the subprocess backend's host sweep are the same code, and it runs where the agent
+may (Python 3.8, whose ``os`` has no ``pidfd_open``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtimes.channel.agent import joined_source
+from runtimes.channel.agent.sweep import ProcessSweep, Sweep
+from runtimes.channel.agent.wire import SweepHeader
+from runtimes.subprocess.sweep import SweepTarget, real_dirs, start_ticks, sweep_target
+from runtimes.sweep import MARK_VAR
+
+
+def test_the_subprocess_backend_sweeps_with_the_agents_code() -> None:
+    assert issubclass(SweepTarget, ProcessSweep)
+    assert "\nclass ProcessSweep:" in joined_source()
+    assert "\nclass Sweep(ProcessSweep):" in joined_source()
+
+
+@pytest.fixture
+def sleeper() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Start ``sleep 60`` processes, each in its own session (the sweep spares its caller's);
+    all reaped at the end."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        process.kill()
+        process.wait()
+
+
+def sleep(
+    started: list[subprocess.Popen[bytes]],
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(["sleep", "60"], env=env, cwd=cwd, start_new_session=True)
+    started.append(process)
+    return process
+
+
+def gone(process: subprocess.Popen[bytes]) -> bool:
+    """Killed by the sweep (a zombie until reaped here)."""
+    return process.wait(timeout=10) == -9
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "python-3.8"])
+def test_the_agents_mark_sweep_kills_the_marked_and_those_at_home(
+    sleeper: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    pidfd: bool,
+) -> None:
+    if not pidfd:
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
+    mark = f"{MARK_VAR}={uuid.uuid4().hex}"
+    name, value = mark.split("=", 1)
+    marked = sleep(sleeper, env={**os.environ, name: value})
+    at_home = sleep(sleeper, cwd=tmp_path)
+    other = sleep(sleeper, env={**os.environ, name: "another-sandbox"})
+    killed = Sweep(SweepHeader("mark", mark, "", str(tmp_path))).run()
+    assert killed == 2
+    assert gone(marked) and gone(at_home)
+    assert other.poll() is None
+
+
+def test_the_host_sweep_selects_by_session_and_directory(
+    sleeper: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """The subprocess backend's criteria: a session one of its commands started (not one
+    marked as another sandbox's), a process working in its directories; a process of
+    neither, or started before the sandbox, is spared."""
+    since = start_ticks(os.getpid())
+    in_session = sleep(sleeper)
+    in_dir = sleep(sleeper, cwd=tmp_path)
+    elsewhere = sleep(sleeper)
+    marked_elsewhere = sleep(sleeper, env={**os.environ, MARK_VAR: "another-sandbox"})
+    sessions = {
+        in_session.pid: start_ticks(in_session.pid),
+        marked_elsewhere.pid: start_ticks(marked_elsewhere.pid),
+    }
+    target = SweepTarget(uuid.uuid4().hex, real_dirs(tmp_path), sessions, since)
+    killed, survivors = sweep_target(target)
+    assert (killed, survivors) == (2, [])
+    assert gone(in_session) and gone(in_dir)
+    assert elsewhere.poll() is None and marked_elsewhere.poll() is None
+    early = sleep(sleeper, cwd=tmp_path)
+    later = SweepTarget(None, real_dirs(tmp_path), {}, start_ticks(early.pid) + 1)
+    assert sweep_target(later) == (0, [])
+    assert early.poll() is None
