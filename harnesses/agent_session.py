@@ -496,10 +496,10 @@ class AgentSession:
         elif error.kind.startswith("budget_"):
             self._stop_reason = error.kind
         elif error.kind == "sandbox_error":
-            self._fail(self._error(SessionSandboxLost, error.message, trace._exception))
+            self._fail(self._error(SessionSandboxLost, error.message, trace.exception))
         else:
             self._fail(
-                self._error(SessionAgentFailed, f"{error.kind}: {error.message}", trace._exception)
+                self._error(SessionAgentFailed, f"{error.kind}: {error.message}", trace.exception)
             )
 
     def _error(

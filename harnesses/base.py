@@ -167,6 +167,11 @@ class Trace(BaseModel):
     _clock: float = PrivateAttr(default_factory=time.monotonic)
     _exception: BaseException | None = PrivateAttr(default=None)
 
+    @property
+    def exception(self) -> BaseException | None:
+        """The exception :meth:`fail` recorded (not serialised; ``error`` describes it)."""
+        return self._exception
+
     @computed_field  # type: ignore[prop-decorator]
     @property
     def usage(self) -> Usage:

@@ -51,7 +51,7 @@ import re
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack, ExitStack
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 from anyio.abc import TaskGroup
@@ -86,6 +86,11 @@ from .rollout import (
     run_verify,
     task_record,
 )
+
+if TYPE_CHECKING:
+    from .session_faces import AgentSessionFace, AgentSessionFactoryFace
+else:  # at run time the faces' members would hide Blocking's lookup
+    AgentSessionFace = AgentSessionFactoryFace = object
 
 __all__ = [
     "ROLLOUT_LABEL",
@@ -307,12 +312,13 @@ async def _close_logging(session: AgentSession) -> None:
 # ---------------------------------------------------------------------- the blocking facade
 
 
-class SyncAgentSession(Blocking):
+class SyncAgentSession(Blocking, AgentSessionFace):
     """:class:`AgentSession` for synchronous code, from :meth:`SyncAgentSessionFactory.create`:
     a :class:`~runtimes.blocking.Blocking` facade, so each coroutine method of the session
     (``next_request(timeout=None) -> InterceptedRequest | None``,
     ``deliver(request, completion)``, ``verify() -> Verification``, ``close()``) blocks
-    until it is done and raises what it raises, plus
+    until it is done and raises what it raises (the typed face:
+    :class:`~harnesses.session_faces.AgentSessionFace`), plus
     :class:`~harnesses.errors.SessionClosedError` once the factory has exited; the rest
     (``rollout_id``, ``record() -> RolloutRecord``, ``status``, ...) is the session's own.
     """
@@ -335,7 +341,7 @@ class SyncAgentSession(Blocking):
             raise SessionClosedError(
                 "the session factory has exited", rollout_id=self.session.rollout_id
             )
-        return factory._portal(what)
+        return super()._portal(what)
 
     def __enter__(self) -> Self:
         """Nothing to start (``create`` started the session); the block ends with :meth:`close`."""
@@ -349,7 +355,7 @@ class SyncAgentSession(Blocking):
             self._call(self.session.close)
 
 
-class SyncAgentSessionFactory(Blocking):
+class SyncAgentSessionFactory(Blocking, AgentSessionFactoryFace):
     """:class:`AgentSessionFactory` for synchronous trainers.
 
     ``with SyncAgentSessionFactory(runtime, harness, verify=...) as factory:`` starts an
@@ -359,7 +365,8 @@ class SyncAgentSessionFactory(Blocking):
     are :class:`AgentSessionFactory`'s. The root of a :class:`~runtimes.blocking.Blocking`
     facade: ``create(*, task, rollout_id) -> SyncAgentSession`` blocks on the async
     ``create`` (same errors; SessionClosedError outside the ``with`` block); ``state``,
-    ``harness`` and the rest are the async factory's.
+    ``harness`` and the rest are the async factory's (the typed face:
+    :class:`~harnesses.session_faces.AgentSessionFactoryFace`).
     """
 
     facades = {AgentSession: SyncAgentSession}

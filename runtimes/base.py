@@ -203,10 +203,10 @@ class Runtime(FileOperations, HostRouting, Snapshotting, Keeping, Listing):
                 if was == State.OPEN:
                     await close_sessions(self)  # each ends its shell over its own exec
                     # Background runs: each kills its tree, unless the sandbox is kept.
-                    await close_processes(self, keep=self._keep or self._keeps_sandbox())
+                    await close_processes(self, keep=self._keep or self.keeps_sandbox())
                 if was in (State.STARTING, State.OPEN):
                     await self._close_channel()
-                    if self._orphans and (self._keeps_sandbox() or self._keep):
+                    if self._orphans and (self.keeps_sandbox() or self._keep):
                         await self._kill_orphans()
                     await self._close()
             finally:
@@ -215,7 +215,7 @@ class Runtime(FileOperations, HostRouting, Snapshotting, Keeping, Listing):
     def _mark_closed(self) -> None:
         """The one way to mark this runtime closed: out of the exit registry, its live
         slot given back. ``close()`` ends with it; a backend's synchronous
-        :meth:`_close_at_exit` calls it once the sandbox is gone."""
+        :meth:`close_at_exit` calls it once the sandbox is gone."""
         self._state = State.CLOSED
         lifecycle.release(self)
         self._release_live_slot()
@@ -504,7 +504,7 @@ class Runtime(FileOperations, HostRouting, Snapshotting, Keeping, Listing):
         """Remove one sandbox found by :meth:`list_sandboxes`."""
         raise SandboxError(f"{cls.name} cannot remove sandboxes it did not open")
 
-    def _close_at_exit(self) -> None:
+    def close_at_exit(self) -> None:
         """The atexit backstop: close this runtime on a fresh event loop. A backend whose
         client cannot run a fresh loop at exit overrides it with a synchronous teardown:
         :meth:`_close_channel_now`, remove the sandbox, then :meth:`_mark_closed`."""

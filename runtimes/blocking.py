@@ -22,6 +22,10 @@ API is restated; attribute access decides:
 Every blocking call refuses a thread that runs an event loop
 (:class:`~runtimes.errors.BlockingCallInEventLoopError`). A child facade calls through its
 parent's portal; a root overrides :meth:`Blocking._portal` and :meth:`Blocking._closed_error`.
+
+What a type checker sees of a facade is its *face*: a protocol that gives the blocking
+signatures (:mod:`runtimes.sync_faces`), which the facade class inherits only while type
+checking; :func:`face_only` is the body of each of its members.
 """
 
 from __future__ import annotations
@@ -31,17 +35,27 @@ import inspect
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, ClassVar, ParamSpec, Self, TypeVar
+from typing import Any, ClassVar, NoReturn, ParamSpec, Self, TypeVar
 
 from anyio.from_thread import BlockingPortal
 
 from .errors import SandboxInvalidArgumentError, SandboxUnavailableError
 from .portal import HeldContext, call_through, refuse_inside_event_loop
 
-__all__ = ["Blocking", "BlockingIterator"]
+__all__ = ["Blocking", "BlockingIterator", "face_only"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+def face_only() -> NoReturn:
+    """The body of a member of a facade's face (a protocol a facade class inherits only
+    while type checking): never run, since at run time the facade answers the lookup.
+
+    Raises:
+        TypeError: always (a face's member called on an object that is not a facade).
+    """
+    raise TypeError("a blocking facade's face only types the facade; it has no behaviour")
 
 
 class Blocking:

@@ -132,7 +132,7 @@ class BackendRuntime(Runtime):
             )
         return await self.backend.open_stream(agent_command(interpreter))
 
-    def _keeps_sandbox(self) -> bool:
+    def keeps_sandbox(self) -> bool:
         return self.backend.attached
 
     async def _kill_group_plainly(self, pgid: int) -> None:

@@ -42,7 +42,7 @@ class Keeping:
     config: RuntimeConfig
 
     keep_supported: ClassVar[bool] = False
-    """Whether this backend can keep its sandboxes: its ``_close`` and ``_close_at_exit``
+    """Whether this backend can keep its sandboxes: its ``_close`` and ``close_at_exit``
     release only host-side resources while ``self._keep``, and its sandboxes carry
     ``ownership.ownership_labels(..., keep=config.keep)``. Others refuse ``keep=True``."""
 

@@ -3,7 +3,7 @@
 
 Every started runtime is held (strongly: one nobody closed must still be reachable) in a
 process-wide registry until it closes; an ``atexit`` handler closes what is left, each runtime
-through its own :meth:`~runtimes.base.Runtime._close_at_exit`.
+through its own :meth:`~runtimes.base.Runtime.close_at_exit`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def release(runtime: Runtime) -> None:
 def _close_leftovers() -> None:
     for runtime in live_runtimes():
         try:
-            runtime._close_at_exit()
+            runtime.close_at_exit()
         except Exception:
             log.warning("atexit: could not close %s", runtime.describe(), exc_info=True)
     reaper.drain_at_exit()  # what those closes (and earlier ones) queued for removal

@@ -25,7 +25,7 @@ import math
 import posixpath
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast
+from typing import Literal
 
 from ._local_files import shell_error
 from .arguments import PathLike
@@ -35,11 +35,9 @@ from .errors import (
     SandboxInvalidArgumentError,
     SandboxNotADirectoryError,
 )
+from .guards import Guarded
 from .machinery import MACHINERY_CWD, machinery_env
 from .models import ExecRequest, OutputSink
-
-if TYPE_CHECKING:
-    from .base import Runtime
 
 __all__ = ["DEFAULT_MAX_ENTRIES", "FileInfo", "FileKind", "Listing"]
 
@@ -111,7 +109,7 @@ class FileInfo:
     target: str | None = None
 
 
-class Listing:
+class Listing(Guarded):
     """The listing half of :class:`~runtimes.base.Runtime` (see the module)."""
 
     async def stat(self, path: PathLike) -> FileInfo:
@@ -125,11 +123,10 @@ class Listing:
             SandboxInvalidArgumentError: a malformed path.
             SandboxError: the sandbox lacks GNU ``find``, or its answer is malformed.
         """
-        rt = cast("Runtime", self)
-        rt._check_open()
-        resolved = posixpath.normpath(rt.resolve_path(path))
-        with rt._guard("stat", resolved):
-            answer = await _run(rt, "stat", resolved, 1)
+        self._check_open()
+        resolved = posixpath.normpath(self.resolve_path(path))
+        with self._guard("stat", resolved):
+            answer = await self._find("stat", resolved, 1)
         return parse_stat(answer, resolved)
 
     async def list(
@@ -147,12 +144,11 @@ class Listing:
             SandboxInvalidArgumentError: a malformed path, or ``max_entries`` < 1.
             SandboxError: the sandbox lacks GNU ``find``, or its answer is malformed.
         """
-        rt = cast("Runtime", self)
-        rt._check_open()
-        resolved = posixpath.normpath(rt.resolve_path(path))
+        self._check_open()
+        resolved = posixpath.normpath(self.resolve_path(path))
         _check_max(max_entries)
-        with rt._guard("list", resolved):
-            answer = await _run(rt, "list", resolved, max_entries)
+        with self._guard("list", resolved):
+            answer = await self._find("list", resolved, max_entries)
         return parse_list(answer, resolved, max_entries)
 
     async def glob(
@@ -172,12 +168,11 @@ class Listing:
             SandboxInvalidArgumentError: a malformed pattern, or ``max_entries`` < 1.
             SandboxError: the sandbox lacks GNU ``find``, or its answer is malformed.
         """
-        rt = cast("Runtime", self)
-        rt._check_open()
+        self._check_open()
         _check_max(max_entries)
         if not isinstance(pattern, str):
             raise SandboxInvalidArgumentError(f"pattern must be a str, got {type(pattern)}")
-        resolved = posixpath.normpath(rt.resolve_path(pattern))
+        resolved = posixpath.normpath(self.resolve_path(pattern))
         parts = [part for part in resolved.split("/") if part]
         fixed = 0
         while fixed < len(parts) and not _magic(parts[fixed]):
@@ -192,58 +187,57 @@ class Listing:
         depth = "" if "**" in segments else str(len(segments))
         hidden = any(seg.startswith(".") for seg in segments)
         prefix = base.rstrip("/") + "/"
-        with rt._guard("glob", resolved):
-            answer = await _run(
-                rt, "glob", base, max_entries, depth, prefix + _find_pattern(segments), hidden
+        with self._guard("glob", resolved):
+            answer = await self._find(
+                "glob", base, max_entries, depth, prefix + _find_pattern(segments), hidden
             )
         return parse_glob(answer, base, segments, max_entries)
+
+    async def _find(
+        self,
+        op: str,
+        path: str,
+        max_entries: int,
+        depth: str = "",
+        pattern: str = "",
+        hidden: bool = False,
+    ) -> bytes:
+        """Run the fixed program; its answer (stdout).
+
+        Raises:
+            ListingLimitExceededError: over the byte cap.
+            SandboxError: typed from the program's exit status and stderr.
+        """
+        limit = self.config.read_limit
+        argv = ["sh", "-c", _SCRIPT, "sh", op, path, str(max_entries), depth, pattern]
+        request = ExecRequest(
+            argv=(*argv, "1" if hidden else "0"),
+            cwd=MACHINERY_CWD,
+            env=machinery_env(),
+            stdin=None,
+            user=None,
+            timeout=None,
+            output_limit=limit,
+        )
+        sink = OutputSink(limit)
+        code = await self._routed_exec(request, sink)
+        if sink.overflowed:
+            raise ListingLimitExceededError(path, limit, "bytes")
+        if code == 20:
+            raise SandboxNotADirectoryError(path)
+        if code == 127 or b"unknown predicate" in bytes(sink.stderr):
+            raise SandboxError(
+                f"{self.describe()}: listing {path!r} needs GNU find and head in the sandbox: "
+                + bytes(sink.stderr).decode("utf-8", "replace").strip()[:500]
+            )
+        if code != 0:
+            raise shell_error(path, sink)
+        return bytes(sink.stdout)
 
 
 def _check_max(max_entries: int) -> None:
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
         raise SandboxInvalidArgumentError(f"max_entries must be an int >= 1, got {max_entries!r}")
-
-
-async def _run(
-    rt: Runtime,
-    op: str,
-    path: str,
-    max_entries: int,
-    depth: str = "",
-    pattern: str = "",
-    hidden: bool = False,
-) -> bytes:
-    """Run the fixed program; its answer (stdout).
-
-    Raises:
-        ListingLimitExceededError: over the byte cap.
-        SandboxError: typed from the program's exit status and stderr.
-    """
-    limit = rt.config.read_limit
-    argv = ["sh", "-c", _SCRIPT, "sh", op, path, str(max_entries), depth, pattern]
-    request = ExecRequest(
-        argv=(*argv, "1" if hidden else "0"),
-        cwd=MACHINERY_CWD,
-        env=machinery_env(),
-        stdin=None,
-        user=None,
-        timeout=None,
-        output_limit=limit,
-    )
-    sink = OutputSink(limit)
-    code = await rt._routed_exec(request, sink)
-    if sink.overflowed:
-        raise ListingLimitExceededError(path, limit, "bytes")
-    if code == 20:
-        raise SandboxNotADirectoryError(path)
-    if code == 127 or b"unknown predicate" in bytes(sink.stderr):
-        raise SandboxError(
-            f"{rt.describe()}: listing {path!r} needs GNU find and head in the sandbox: "
-            + bytes(sink.stderr).decode("utf-8", "replace").strip()[:500]
-        )
-    if code != 0:
-        raise shell_error(path, sink)
-    return bytes(sink.stdout)
 
 
 def parse_stat(answer: bytes, path: str) -> FileInfo:

@@ -578,7 +578,7 @@ def _check_poolable(config: RuntimeConfig) -> None:
         raise RuntimeConfigError(
             "a pool closes the sandboxes it does not hand out: keep=True cannot be pooled"
         )
-    if open_runtime(config)._keeps_sandbox():  # an unstarted runtime: nothing is made
+    if open_runtime(config).keeps_sandbox():  # an unstarted runtime: nothing is made
         raise RuntimeConfigError(
             f"this {config.type} config borrows one existing sandbox (attach mode): "
             "every acquirer of a pool would share it"

@@ -165,7 +165,7 @@ class Primitives(abc.ABC):
             await self._channel_supervisor.close()
 
     def _close_channel_now(self) -> None:
-        """Blocking close of the channel, for :meth:`_close_at_exit`."""
+        """Blocking close of the channel, for :meth:`close_at_exit`."""
         if self._channel_supervisor is not None:
             self._channel_supervisor.close_now()
 
@@ -282,7 +282,7 @@ class Primitives(abc.ABC):
         request, sink = self._internal(kill_argv(pgids, mark=mark))
         await self._exec(request, sink)
 
-    def _keeps_sandbox(self) -> bool:
+    def keeps_sandbox(self) -> bool:
         """Whether the sandbox outlives this runtime (attached to, borrowed), so what the
         runtime's commands left must be killed before it is let go."""
         return False

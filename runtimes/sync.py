@@ -12,6 +12,9 @@ shell session, a host route). Exceptions cross unchanged (the same typed objects
 killed) before it propagates; a runtime left open at exit is closed through its portal by
 the exit backstop of :mod:`runtimes.lifecycle`. See ``docs/sync.md``.
 
+Each facade's typed face (what a type checker and an editor see) is a protocol of
+:mod:`runtimes.sync_faces`, inherited only while type checking.
+
 The blocking API, each raising what its async namesake raises (see its docstring), plus
 BlockingCallInEventLoopError in async code and SandboxUnavailableError before
 :meth:`SyncRuntime.start` or after :meth:`SyncRuntime.close`:
@@ -33,18 +36,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
-from typing import Any, Self
+from collections.abc import AsyncIterable, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
+from .arguments import PathLike
 from .base import Runtime
 from .blocking import Blocking
 from .config import RuntimeConfig
 from .errors import SandboxInvalidArgumentError, SandboxUnavailableError, ShellSessionError
 from .lifecycle import State
-from .models import ExecResult
+from .models import ExecResult, Stream
 from .portal import (
     BlockingCallInEventLoopError,
     PortalThread,
@@ -55,6 +59,11 @@ from .portal import (
 from .registry import open_runtime
 from .routes import HostRoute
 from .shell import ShellSession
+
+if TYPE_CHECKING:
+    from .sync_faces import HostRouteFace, RuntimeFace, ShellSessionFace, SyncStdin
+else:  # at run time the faces' members would hide Blocking's lookup
+    HostRouteFace = RuntimeFace = ShellSessionFace = object
 
 __all__ = [
     "BlockingCallInEventLoopError",
@@ -73,8 +82,6 @@ EXIT_CLOSE_TIMEOUT = 60.0
 to the backend's own synchronous teardown (a loop stuck in a user's ``on_output``)."""
 
 _EXIT_STOP_TIMEOUT = 10.0
-
-_Stdin = bytes | str | Iterable[bytes] | AsyncIterable[bytes] | None
 
 
 def open_runtime_sync(
@@ -96,7 +103,7 @@ def open_runtime_sync(
     return SyncRuntime(open_runtime(config), backend=backend, backend_options=backend_options)
 
 
-def _async_stdin(stdin: _Stdin) -> bytes | str | AsyncIterable[bytes] | None:
+def _async_stdin(stdin: SyncStdin) -> bytes | str | AsyncIterable[bytes] | None:
     if (
         stdin is None
         or isinstance(stdin, bytes | bytearray | memoryview | str | AsyncIterable)
@@ -106,7 +113,7 @@ def _async_stdin(stdin: _Stdin) -> bytes | str | AsyncIterable[bytes] | None:
     return pulled_in_threads(stdin)
 
 
-class SyncShellSession(Blocking):
+class SyncShellSession(Blocking, ShellSessionFace):
     """A :class:`~runtimes.shell.ShellSession` for synchronous code, from
     :meth:`SyncRuntime.shell`: ``with rt.shell() as sh: r = sh.run("cd src && make")``.
 
@@ -140,7 +147,7 @@ class SyncShellSession(Blocking):
             raise ShellSessionError(f"the shell session is closed: {exc}") from exc
 
 
-class SyncHostRoute(Blocking):
+class SyncHostRoute(Blocking, HostRouteFace):
     """A :class:`~runtimes.routes.HostRoute` whose :meth:`close` blocks; usable as a
     context manager. ``via``, ``host``, ``port``, ``address``, ``closed``, ``url()``,
     ``lost()`` and ``check()`` are the route's own."""
@@ -159,7 +166,7 @@ class SyncHostRoute(Blocking):
         super().close()
 
 
-class SyncRuntime(Blocking):
+class SyncRuntime(Blocking, RuntimeFace):
     """A :class:`~runtimes.base.Runtime` for synchronous code: the same API, blocking.
 
     The root of a :class:`~runtimes.blocking.Blocking` facade (the module docstring lists
@@ -193,7 +200,7 @@ class SyncRuntime(Blocking):
         self._backend_options = dict(backend_options or {})
         self._loop: PortalThread | None = None
         self._lock = threading.Lock()  # start/close transitions
-        self._backend_close_at_exit = runtime._close_at_exit
+        self._backend_close_at_exit = runtime.close_at_exit
 
     @property
     def runtime(self) -> Runtime:
@@ -216,9 +223,9 @@ class SyncRuntime(Blocking):
                 )
             name = f"vf-sandbox-portal-{self._runtime.name}-{id(self):x}"
             self._loop = loop = PortalThread(self._backend, self._backend_options, name)
-            # lifecycle's exit backstop closes live runtimes through _close_at_exit: this one
+            # lifecycle's exit backstop closes live runtimes through close_at_exit: this one
             # has to close on its own loop, then stop the thread.
-            self._runtime._close_at_exit = self._close_at_exit  # type: ignore[method-assign]
+            self._runtime.close_at_exit = self._close_at_exit  # type: ignore[method-assign]
             try:
                 call_through(loop.portal, self._runtime.start, (), {}, self._closed_error)
             except BaseException:
@@ -315,7 +322,20 @@ class SyncRuntime(Blocking):
         except SandboxUnavailableError:
             return False  # closed meanwhile
 
-    def exec(self, argv: Sequence[str], *, stdin: _Stdin = None, **options: Any) -> ExecResult:
+    def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: SyncStdin = None,
+        user: str | None = None,
+        output_limit: int | None = None,
+        on_output: Callable[[Stream, bytes], object] | None = None,
+        keep_output: bool = True,
+        check: bool = False,
+    ) -> ExecResult:
         """:meth:`Runtime.exec`, blocking, with its keyword arguments. ``stdin`` may also be
         a plain iterable of bytes (each item pulled in a worker thread, so it may block
         waiting for input); ``on_output`` is called in the portal thread, not the caller's.
@@ -324,4 +344,16 @@ class SyncRuntime(Blocking):
         Raises:
             As :meth:`Runtime.exec`; BlockingCallInEventLoopError (in async code).
         """
-        return self._call(self._runtime.exec, argv, stdin=_async_stdin(stdin), **options)
+        return self._call(
+            self._runtime.exec,
+            argv,
+            timeout=timeout,
+            cwd=cwd,
+            env=env,
+            stdin=_async_stdin(stdin),
+            user=user,
+            output_limit=output_limit,
+            on_output=on_output,
+            keep_output=keep_output,
+            check=check,
+        )

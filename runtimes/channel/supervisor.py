@@ -453,13 +453,13 @@ class ChannelSupervisor:
 
     async def read(self, path: str, limit: int, plain: Callable[[], Awaitable[bytes]]) -> bytes:
         """Idempotent: a channel that dies under it hands over to ``plain()``."""
-        return await self._file_call(
+        return await self.file_call(
             lambda chan: chan.read(path, limit), plain, f"a read of {path!r}", idempotent=True
         )
 
     async def exists(self, path: str, plain: Callable[[], Awaitable[bool]]) -> bool:
         """Idempotent: a channel that dies under it hands over to ``plain()``."""
-        return await self._file_call(
+        return await self.file_call(
             lambda chan: chan.exists(path), plain, f"a stat of {path!r}", idempotent=True
         )
 
@@ -467,7 +467,7 @@ class ChannelSupervisor:
         self, path: str, limit: int, plain: Callable[[], Awaitable[PathInfo]]
     ) -> PathInfo:
         """Idempotent: a channel that dies under it hands over to ``plain()``."""
-        return await self._file_call(
+        return await self.file_call(
             lambda chan: chan.lstat(path, limit), plain, f"an lstat of {path!r}", idempotent=True
         )
 
@@ -475,7 +475,7 @@ class ChannelSupervisor:
         self, path: str, mode: int, uid: int, gid: int, plain: Callable[[], Awaitable[None]]
     ) -> None:
         """Not idempotent: a channel that dies under it is a transport (or dead) error."""
-        await self._file_call(
+        await self.file_call(
             lambda chan: chan.mkdir(path, mode, uid, gid),
             plain,
             f"making {path!r}",
@@ -484,17 +484,17 @@ class ChannelSupervisor:
 
     async def write(self, path: str, data: bytes, plain: Callable[[], Awaitable[None]]) -> None:
         """Not idempotent: a channel that dies under it is a transport (or dead) error."""
-        await self._file_call(
+        await self.file_call(
             lambda chan: chan.write(path, data), plain, f"a write of {path!r}", idempotent=False
         )
 
     async def remove(self, path: str, plain: Callable[[], Awaitable[None]]) -> None:
         """Not idempotent: a channel that dies under it is a transport (or dead) error."""
-        await self._file_call(
+        await self.file_call(
             lambda chan: chan.remove(path), plain, f"removing {path!r}", idempotent=False
         )
 
-    async def _file_call(
+    async def file_call(
         self,
         call: Callable[[Channel], Awaitable[T]],
         plain: Callable[[], Awaitable[T]],
@@ -502,9 +502,15 @@ class ChannelSupervisor:
         *,
         idempotent: bool,
     ) -> T:
-        """Serve a file call through the channel, else ``plain()``. A channel lost under an
+        """Serve a call of one request through the channel, else ``plain()`` (the file
+        calls above; a backend's own, such as Docker's agent sweep). A channel lost under an
         idempotent call hands over to ``plain()``; under another one, only if the request
-        was never sent (else a transport or dead error)."""
+        was never sent (else a transport or dead error); a tampered channel is distrusted.
+
+        Raises:
+            SandboxTransportError, SandboxUnavailableError, ChannelTamperedError: as above;
+            what ``call`` or ``plain`` raise.
+        """
         chan = await self._current()
         if chan is None:
             self._fallbacks += self.enabled

@@ -199,6 +199,5 @@ async def sweep_by_agent(supervisor: ChannelSupervisor | None, header: SweepHead
     async def by_script() -> int | None:
         return None
 
-    # The supervisor's routing of an idempotent call (restart, fallback, distrust);
-    # a public ChannelSupervisor.sweep would wrap exactly this.
-    return await supervisor._file_call(by_agent, by_script, "stop_processes", idempotent=True)
+    # The supervisor's routing of an idempotent call (restart, fallback, distrust).
+    return await supervisor.file_call(by_agent, by_script, "stop_processes", idempotent=True)

@@ -160,7 +160,7 @@ class DockerRuntime(Runtime):
         if self._owned:
             await creation_rate(self.name).wait(self.config.creations_per_second)
 
-    def _keeps_sandbox(self) -> bool:
+    def keeps_sandbox(self) -> bool:
         return not self._owned
 
     def _channel_hooks(self) -> ChannelHooks:
@@ -292,7 +292,7 @@ class DockerRuntime(Runtime):
     def _remove_blocking(self) -> None:
         remove_container_blocking(self._require_client().api, self._require_id(), self.describe())
 
-    def _close_at_exit(self) -> None:
+    def close_at_exit(self) -> None:
         """atexit backstop: remove the container synchronously through the SDK."""
         self._close_channel_now()
         try:

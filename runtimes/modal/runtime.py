@@ -328,7 +328,7 @@ class ModalRuntime(ModalExec, ModalFiles):
         except Exception as exc:  # noqa: BLE001 - only releases client-side resources
             log.debug("modal: detach of %s failed: %r", self._sandbox_id, exc)
 
-    def _close_at_exit(self) -> None:
+    def close_at_exit(self) -> None:
         """The atexit backstop: terminate through the SDK's blocking interface (bounded)."""
         self._close_channel_now()
         sandbox, self._sandbox = self._sandbox, None

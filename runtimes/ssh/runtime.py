@@ -292,7 +292,7 @@ class SSHRuntime(ConnectedRuntime):
                 f"{self.describe()}: removing the sandbox failed: {err.decode('utf-8', 'replace')}"
             )
 
-    def _close_at_exit(self) -> None:
+    def close_at_exit(self) -> None:
         """Blocking cleanup at interpreter exit.
 
         paramiko's own atexit hook (registered after ours, so run before it) has already

@@ -21,6 +21,6 @@ sandbox's directory is then removed without ever following a symbolic link.
 from __future__ import annotations
 
 from .config import SubprocessConfig, default_root
-from .runtime import SubprocessRuntime
+from .runtime import SubprocessBackend, SubprocessRuntime
 
-__all__ = ["SubprocessConfig", "SubprocessRuntime", "default_root"]
+__all__ = ["SubprocessBackend", "SubprocessConfig", "SubprocessRuntime", "default_root"]

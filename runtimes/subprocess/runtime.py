@@ -1,4 +1,4 @@
-"""The subprocess runtime itself (see :mod:`runtimes.subprocess`)."""
+"""The subprocess backend and its runtime (see :mod:`runtimes.subprocess`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,20 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
-from .. import ownership
 from .._extract import Links
-from ..base import Runtime
+from ..backend import (
+    Backend,
+    CreateRequest,
+    FileFastPath,
+    HostRouter,
+    ProcessSweeper,
+    RemoveFastPath,
+    SandboxLister,
+    ShellOpener,
+    Snapshotter,
+    TreeFastPath,
+)
+from ..composed import BackendRuntime
 from ..config import RuntimeConfig
 from ..errors import (
     SandboxError,
@@ -63,22 +74,36 @@ from .sweep import (
 log = logging.getLogger("runtimes.subprocess")
 
 
-class SubprocessRuntime(Runtime):
+class SubprocessBackend(
+    Backend,
+    FileFastPath,
+    TreeFastPath,
+    RemoveFastPath,
+    SandboxLister,
+    Snapshotter,
+    ProcessSweeper,
+    ShellOpener,
+    HostRouter,
+):
     """A private directory on the host plus process-group discipline. Not isolation.
 
-    ``start()`` raises :class:`SandboxFileNotFoundError` when the config names a ``workdir``
+    ``create()`` raises :class:`SandboxFileNotFoundError` when the config names a ``workdir``
     that does not exist (unless ``create_workdir``), :class:`SandboxNotADirectoryError` when
     it is not a directory, and :class:`ProvisioningError` when a directory cannot be made.
+    Every file operation is the host's own (no process), and :meth:`destroy` sweeps what the
+    sandbox's commands left (freeze-then-kill of ``/proc``) before it removes the directory.
     """
 
     name = "subprocess"
     config_model = SubprocessConfig
     keep_supported = True
+    destroy_ends_processes = True
     snapshot_holds = "workdir"
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
         self.config: SubprocessConfig
+        self._workdir: str | None = None
         self._dir: Path | None = None
         self._owns_workdir = True
         self._sessions: dict[int, int] = {}  # session id (its leader's pid) -> leader start
@@ -90,8 +115,9 @@ class SubprocessRuntime(Runtime):
     def sandbox_id(self) -> str | None:
         return self._dir.name if self._dir else None
 
-    async def _start(self) -> str:
-        return await anyio.to_thread.run_sync(self._make_dirs)
+    async def create(self, request: CreateRequest) -> str:
+        self._workdir = await anyio.to_thread.run_sync(self._make_dirs, request)
+        return self._workdir
 
     def _given_workdir(self) -> Path | None:
         """The config's ``workdir``, checked (or created with ``create_workdir``); None
@@ -113,7 +139,7 @@ class SubprocessRuntime(Runtime):
     def _root(self) -> Path:
         return Path(self.config.root or default_root())
 
-    def _make_dirs(self) -> str:
+    def _make_dirs(self, request: CreateRequest) -> str:
         given = self._given_workdir()
         root = self._root()
         try:
@@ -123,10 +149,8 @@ class SubprocessRuntime(Runtime):
             st = os.lstat(self._dir)
             self._identity = (st.st_dev, st.st_ino)
             meta: dict[str, object] = {
-                "labels": ownership.ownership_labels(
-                    self.name, self.config.labels, keep=self.config.keep
-                ),
-                "mark": self._mark,
+                "labels": request.labels,
+                "mark": request.mark,
                 "since": since,
             }
             if given is None:
@@ -139,12 +163,12 @@ class SubprocessRuntime(Runtime):
             # Labelled before anything long (a fork's copy): a holder killed meanwhile
             # leaves a directory that `vf-sandbox cleanup` finds.
             (self._dir / META_FILE).write_text(json.dumps(meta))
-            if given is None and self._snapshot_source is not None:
-                copy_snapshot_into(self._snapshot_source, workdir)
+            if given is None and request.snapshot is not None:
+                copy_snapshot_into(request.snapshot, workdir)
             elif given is None:
                 workdir.mkdir()
             self._target = SweepTarget(
-                mark=self._mark,
+                mark=request.mark,
                 dirs=real_dirs(self._dir, workdir),
                 sessions=self._sessions,
                 since=since,
@@ -157,12 +181,12 @@ class SubprocessRuntime(Runtime):
             ) from exc
         return str(workdir)
 
-    async def _close(self) -> None:
-        await anyio.to_thread.run_sync(self._teardown)
+    async def destroy(self, *, keep: bool) -> None:
+        await anyio.to_thread.run_sync(self._teardown, keep)
 
     # ------------------------------------------------------------------ snapshots
 
-    def _check_fork_config(self) -> None:
+    def check_fork_config(self) -> None:
         """A fork gets a private copy of the snapshot's workdir, never a directory of yours.
 
         Raises:
@@ -176,14 +200,15 @@ class SubprocessRuntime(Runtime):
                 f"snapshot's workdir: drop workdir={self.config.workdir!r} from its config"
             )
 
-    async def _snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
+    async def snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
         """Copy the workdir into ``<root>/snap-*/tree`` (see :mod:`.snapshots`).
 
         Raises:
             SandboxError: the copy failed (an unreadable file, no space), or the workdir was
                 replaced by a link.
         """
-        root, workdir = self._root(), Path(self.workdir)
+        assert self._workdir is not None
+        root, workdir = self._root(), Path(self._workdir)
         directory = await anyio.to_thread.run_sync(take_snapshot, root, workdir, labels)
         return snapshot_from_labels(self.name, str(directory), labels, "workdir")
 
@@ -205,21 +230,15 @@ class SubprocessRuntime(Runtime):
         """
         await anyio.to_thread.run_sync(destroy_snapshot_dir, snapshot)
 
-    @classmethod
-    def _destroy_snapshot_at_exit(
-        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None
-    ) -> None:
-        destroy_snapshot_dir(snapshot)
+    def destroy_now(self, *, keep: bool) -> None:
+        """:meth:`destroy`, synchronous (the runtime's exit backstop)."""
+        self._teardown(keep)
 
-    def _close_at_exit(self) -> None:
-        self._teardown()
-        self._mark_closed()
-
-    def _teardown(self) -> None:
+    def _teardown(self, keep: bool) -> None:
         """Kill every process of the sandbox (freeze-then-kill), then remove its directory
         without following a link. Never raises: what could not be done is logged. A kept
         sandbox (``keep=True``) is left as it is, processes and all."""
-        if self._keep:
+        if keep:
             self._sessions.clear()
             return
         if self._target is not None:
@@ -240,13 +259,13 @@ class SubprocessRuntime(Runtime):
         if self._dir is not None:
             remove_sandbox_dir(self._dir, self._identity)
 
-    def _host_routes(self) -> tuple[RouteKind, ...]:
+    def host_routes(self) -> tuple[RouteKind, ...]:
         return ("loopback",)  # the host's own network namespace
 
-    async def _expose_host(self, port: int, via: RouteKind) -> HostRoute:
+    async def expose_host(self, port: int, via: RouteKind) -> HostRoute:
         return HostRoute("loopback", "127.0.0.1", port)
 
-    async def _alive(self) -> bool:
+    async def alive(self) -> bool:
         return self._workdir is not None and await anyio.Path(self._workdir).is_dir()
 
     # ------------------------------------------------------------------ exec
@@ -277,7 +296,7 @@ class SubprocessRuntime(Runtime):
             raise cannot_run_as(request.argv[0], user, "the host process is not root")
         return entry.pw_name
 
-    async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
+    async def spawn(self, request: ExecRequest, sink: OutputSink) -> int:
         user = self._user_for(request)
         assert self._workdir is not None
         # Popen directly (no await until the handle is ours, so no cancellation can lose
@@ -334,13 +353,13 @@ class SubprocessRuntime(Runtime):
 
     # ------------------------------------------------------------------ files
 
-    async def _read(self, path: str, limit: int) -> bytes:
+    async def read(self, path: str, limit: int) -> bytes:
         return await anyio.to_thread.run_sync(read_file, path, limit)
 
-    async def _write(self, path: str, data: bytes) -> None:
+    async def write(self, path: str, data: bytes) -> None:
         await anyio.to_thread.run_sync(write_file, path, data)
 
-    async def _exists(self, path: str) -> bool:
+    async def exists(self, path: str) -> bool:
         try:
             await anyio.to_thread.run_sync(os.lstat, path)
         except FileNotFoundError:
@@ -351,22 +370,23 @@ class SubprocessRuntime(Runtime):
             raise error_for_errno(exc.errno, path, exc.strerror) from None
         return True
 
-    async def _remove(self, path: str) -> None:
+    async def remove(self, path: str) -> None:
         await anyio.to_thread.run_sync(remove_path, path)
 
-    async def _upload(self, source: Path, remote: str) -> None:
+    async def upload(self, source: Path, remote: str) -> None:
         await anyio.to_thread.run_sync(copy_local_tree, source, Path(remote), remote)
 
-    async def _download(
+    async def download(
         self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
     ) -> None:
         # the host's own tree, copied keeping every link as a link (never followed)
         await anyio.to_thread.run_sync(download_tree, remote, local, self.config.read_limit)
 
-    async def stop_processes(self) -> int:
-        """Kill every process of this sandbox that is still running; return how many.
+    async def sweep(self) -> int:
+        """Kill every process of this sandbox that is still running; return how many
+        (``stop_processes()``).
 
-        Unlike the base implementation (an environment-mark scan), this freezes before it
+        Unlike the runtime's own sweep (an environment-mark scan), this freezes before it
         kills: every process started after the sandbox that carries its environment mark,
         belongs to a session one of its commands started, or has its cwd, root, executable,
         an open file or a mapping under the sandbox's directories is SIGSTOPped, the scan
@@ -375,15 +395,11 @@ class SubprocessRuntime(Runtime):
         the README for what still escapes (a process that left every trace behind).
 
         Raises:
-            SandboxUnavailableError: the sandbox is closed or dead.
             SandboxError: some process of the sandbox is still running after the sweep
                 (it could not be signalled, or kept appearing until the sweep's deadline).
         """
-        self._check_open()
         assert self._target is not None
-        target = self._target
-        with self._guard("stop_processes"):
-            killed, survivors = await anyio.to_thread.run_sync(sweep_target, target)
+        killed, survivors = await anyio.to_thread.run_sync(sweep_target, self._target)
         if survivors:
             raise SandboxError(
                 f"{self.describe()}: processes still running after stop_processes(): {survivors}"
@@ -415,6 +431,19 @@ class SubprocessRuntime(Runtime):
     async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:
         root = Path(getattr(config, "root", None) or default_root())
         await anyio.to_thread.run_sync(destroy_dir, root / info.id)
+
+
+class SubprocessRuntime(BackendRuntime):
+    """The runtime over :class:`SubprocessBackend`: the embedded default
+    (``open_runtime("subprocess")``)."""
+
+    backend_class = SubprocessBackend
+    backend: SubprocessBackend
+
+    def close_at_exit(self) -> None:
+        """At exit, the teardown itself (synchronous: no event loop is needed)."""
+        self.backend.destroy_now(keep=self._keep)
+        self._mark_closed()
 
 
 # ---------------------------------------------------------------------- exec helpers

@@ -192,7 +192,7 @@ async def _call(sup: ChannelSupervisor, what: str) -> Any:
         return await sup.halt(timeout=5)
     if what == "sweep":
         header = wire.SweepHeader("all", "")
-        return await sup._file_call(
+        return await sup.file_call(
             lambda c: c.sweep(header), plain_result, "a sweep", idempotent=True
         )
     listener: RelayListener = await sup.listen(("127.0.0.1", _free_port()))

@@ -346,7 +346,7 @@ async def test_close_kills_a_setsid_leftover(tmp_path: Path, reaper: Reaper) -> 
         await rt.exec(["sh", "-c", f"setsid sleep {token} >/dev/null 2>&1 </dev/null &"])
         pid = await reaper.started(token)
         assert isinstance(rt, SubprocessRuntime)
-        assert _session(pid) not in rt._sessions  # control: it left every session we made
+        assert _session(pid) not in rt.backend._sessions  # control: it left every session we made
     assert _gone(reaper, token)
 
 
