@@ -1,5 +1,6 @@
 """How the agent starts in a sandbox: the probe for ``python3``, the bootstrap that makes the
-process non-dumpable and runs the agent's source read from stdin, and that source."""
+process non-dumpable and runs the agent's source read from stdin, and that source. The shell
+session's driver (:mod:`runtimes.shell`) starts the same way, with its own source."""
 
 from __future__ import annotations
 
@@ -48,14 +49,21 @@ per-start key from stdin (sent by the host only after ``ready``)."""
 def agent_source() -> bytes:
     """The agent's joined source (:func:`runtimes.channel.agent.joined_source`), prefixed
     with its length as the bootstrap expects."""
-    source = agent.joined_source().encode("utf-8")
-    return b"%010d" % len(source) + source
+    return shipped(agent.joined_source())
 
 
-def agent_command(interpreter: str | None = None) -> list[str]:
-    """argv that starts the agent: through ``sh`` and a ``PATH`` search for ``python3`` the
-    first time, else straight through ``interpreter`` (an absolute path, pinned at the first
-    start: no shell, no ``PATH``)."""
+def shipped(source: str) -> bytes:
+    """``source`` as :data:`BOOTSTRAP` reads it from stdin: its length in ten ASCII digits,
+    then its UTF-8. The shell driver ships this way too (:mod:`runtimes.shell.protocol`)."""
+    data = source.encode("utf-8")
+    return b"%010d" % len(data) + data
+
+
+def agent_command(interpreter: str | None = None, *, shell: str = "sh") -> list[str]:
+    """argv that starts the agent: through ``shell`` and a ``PATH`` search for ``python3``
+    the first time, else straight through ``interpreter`` (an absolute path, pinned at the
+    first start: no shell, no ``PATH``). The shell driver names ``/bin/sh``: its ``PATH`` is
+    the caller's, which need not lead to a ``sh``."""
     if interpreter is not None:
         return [interpreter, "-I", "-S", "-B", "-c", BOOTSTRAP]
-    return ["sh", "-c", PROBE, "sh", BOOTSTRAP]
+    return [shell, "-c", PROBE, "sh", BOOTSTRAP]

@@ -134,11 +134,11 @@ class Channel(FramedStream):
         total = len(data)
         while sent < total and in_flight < WINDOW:
             piece = data[sent : sent + CHUNK]
-            self._send(wire.DATA, rid, bytes(piece))
+            self.send_frame(wire.DATA, rid, bytes(piece))
             sent += len(piece)
             in_flight += len(piece)
             if sent == total:
-                self._send(wire.EOF, rid)
+                self.send_frame(wire.EOF, rid)
         return sent, in_flight
 
     # ------------------------------------------------------------------ requests
@@ -187,7 +187,7 @@ class Channel(FramedStream):
                     await self._kill(pending, state.pgid)
             raise
         finally:
-            self._finish(pending)
+            self.finish(pending)
 
     async def _exec_frames(
         self, pending: PendingRequest, request: ExecRequest, sink: OutputSink, state: _ExecState
@@ -245,13 +245,13 @@ class Channel(FramedStream):
                 await anyio.sleep(OUTBOX_POLL)
             if state.stdin_closed or not self.usable:
                 return False  # the command stopped reading, or the frames loop reports a loss
-            self._send(wire.DATA, rid, chunk)
+            self.send_frame(wire.DATA, rid, chunk)
             state.in_flight += len(chunk)
             return True
 
         async def close() -> None:
             if self.usable:
-                self._send(wire.EOF, rid)
+                self.send_frame(wire.EOF, rid)
 
         await feed_stdin(source, sink, write, close, size=CHUNK)
 
@@ -262,7 +262,7 @@ class Channel(FramedStream):
         does not confirm in time, the backend's plain path kills the group instead.
         """
         if self.usable:
-            self._send(wire.KILL, pending.rid)
+            self.send_frame(wire.KILL, pending.rid)
             with anyio.move_on_after(self._kill_wait):
                 while True:
                     kind, payload = await self._receive(pending)
@@ -297,7 +297,7 @@ class Channel(FramedStream):
         pending = self._open(limit)
         done = False
         try:
-            self._send(wire.READ, pending.rid, ReadHeader(path, limit).to_wire())
+            self.send_frame(wire.READ, pending.rid, ReadHeader(path, limit).to_wire())
             parts: list[bytes] = []
             received = 0
             while True:
@@ -322,8 +322,8 @@ class Channel(FramedStream):
                     raise ChannelLost(f"{self.label}: the channel died during a read")
         finally:
             if not done and self.usable:
-                self._send(wire.KILL, pending.rid)
-            self._finish(pending)
+                self.send_frame(wire.KILL, pending.rid)
+            self.finish(pending)
 
     async def write(self, path: str, data: bytes) -> None:
         """Write a file (parents created), streamed under the window.
@@ -358,8 +358,8 @@ class Channel(FramedStream):
                     raise ChannelLost(f"{self.label}: the channel died during a write")
         finally:
             if not done and self.usable:
-                self._send(wire.KILL, pending.rid)
-            self._finish(pending)
+                self.send_frame(wire.KILL, pending.rid)
+            self.finish(pending)
 
     async def exists(self, path: str) -> bool:
         """Whether anything is at ``path`` (``lstat``).
@@ -390,14 +390,14 @@ class Channel(FramedStream):
         """
         pending = self._open()
         try:
-            self._send(wire.HALT, pending.rid, b"")
+            self.send_frame(wire.HALT, pending.rid, b"")
             answer, payload = await self._next(pending, file=True)
             if answer == wire.ERROR:
                 raise file_error(self._report(payload), "kill(-1)", 0)
             if answer != wire.DONE:
                 raise ChannelLost(f"{self.label}: the channel died during a halt")
         finally:
-            self._finish(pending)
+            self.finish(pending)
 
     async def sweep(self, header: SweepHeader) -> int:
         """Have the agent stop the processes ``header`` selects (as ``scripts/sweep.sh``
@@ -409,7 +409,7 @@ class Channel(FramedStream):
         """
         pending = self._open()
         try:
-            self._send(wire.SWEEP, pending.rid, header.to_wire())
+            self.send_frame(wire.SWEEP, pending.rid, header.to_wire())
             # Not a file request: a sweep of a fork loop may take its time (bounded passes).
             answer, payload = await self._next(pending)
             if answer == wire.DONE:
@@ -418,7 +418,7 @@ class Channel(FramedStream):
                 raise _file_error(self._report(payload), "stop_processes", 0)
             raise ChannelLost(f"{self.label}: the channel died during a sweep")
         finally:
-            self._finish(pending)
+            self.finish(pending)
 
     async def lstat(self, path: str, limit: int) -> wire.PathInfo:
         """What is at ``path`` (never following a link there); a regular file's first
@@ -451,7 +451,7 @@ class Channel(FramedStream):
     async def _simple(self, kind: int, path: str, payload: bytes | None = None) -> bytes:
         pending = self._open()
         try:
-            self._send(
+            self.send_frame(
                 kind, pending.rid, PathHeader(path).to_wire() if payload is None else payload
             )
             answer, payload = await self._next(pending, file=True)
@@ -461,7 +461,7 @@ class Channel(FramedStream):
                 raise _file_error(self._report(payload), path, 0)
             raise ChannelLost(f"{self.label}: the channel died during a file operation")
         finally:
-            self._finish(pending)
+            self.finish(pending)
 
     async def listen(
         self, target: tuple[str, int], *, port: int = 0, max_connections: int = MAX_RELAYED
@@ -475,11 +475,11 @@ class Channel(FramedStream):
         """
         pending = self._open()
         listener = RelayListener(self, pending, target, max_connections)
-        self._relay.add(listener)  # before LISTEN: OPENED may overtake its DONE
+        self.relay.add(listener)  # before LISTEN: OPENED may overtake its DONE
         ready = False
         try:
             header = ListenHeader(max_connections, RELAY_WINDOW, port)
-            self._send(wire.LISTEN, pending.rid, header.to_wire())
+            self.send_frame(wire.LISTEN, pending.rid, header.to_wire())
             kind, answer = await self._next(pending, file=True)
             if kind == wire.DONE:
                 listener.sandbox_port = self._number(U16, answer, "DONE")
@@ -494,8 +494,8 @@ class Channel(FramedStream):
             raise ChannelLost(f"{self.label}: the channel died while the relay started")
         finally:
             if not ready:
-                self._relay.remove(listener, "the relay never started")
-                self._finish(pending)
+                self.relay.remove(listener, "the relay never started")
+                self.finish(pending)
 
 
 # ---------------------------------------------------------------------- the agent's errors

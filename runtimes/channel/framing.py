@@ -139,7 +139,9 @@ class FramedStream:
         self._seq_lock = threading.Lock()
         """Frames are sent from the event loop and from relay threads: a frame's sequence
         number and its place in the stream must agree."""
-        self._relay = Relay(self)
+        self.relay = Relay(self)
+        """The host side of the relays (:mod:`.relay`), which sends and finishes through
+        this stream's :meth:`relay_send`, :meth:`send_frame` and :meth:`finish`."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -216,7 +218,7 @@ class FramedStream:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._relay.shutdown(self.tampered or "the channel to the sandbox was closed")
+        self.relay.shutdown(self.tampered or "the channel to the sandbox was closed")
         self._outbox.put(None)
         if wait:
             self._close_transport()
@@ -324,7 +326,7 @@ class FramedStream:
                     self._send_key()
                 frames, tampered = self._parse(buf)
                 if frames and tampered is None:
-                    frames, tampered = self._relay.take(frames)
+                    frames, tampered = self.relay.take(frames)
                 if frames:
                     self._deliver_soon(frames)
                 if tampered is not None:
@@ -335,7 +337,7 @@ class FramedStream:
                 log.debug("%s: reading from the agent failed: %r", self.label, exc)
         finally:
             self._broken.set()
-            self._relay.shutdown(self.tampered or "the channel to the sandbox ended")
+            self.relay.shutdown(self.tampered or "the channel to the sandbox ended")
             self._soon(self._on_lost)
 
     def _send_key(self) -> None:
@@ -388,7 +390,7 @@ class FramedStream:
                 self._backlog += size_total
         return frames, tampered
 
-    def _release(self, size: int) -> None:
+    def release_backlog(self, size: int) -> None:
         """A request took ``size`` bytes off its inbox: the reader may read on."""
         with self._flow:
             self._backlog -= size + HEADER.size
@@ -398,7 +400,7 @@ class FramedStream:
     async def _receive(self, request: PendingRequest) -> Frame:
         kind, payload = await request.frames.receive()
         if kind != LOST:
-            self._release(len(payload))
+            self.release_backlog(len(payload))
         return kind, payload
 
     def _deliver_soon(self, frames: list[tuple[int, int, bytes]]) -> None:
@@ -428,7 +430,7 @@ class FramedStream:
                             f"{request.budget}: it is not the agent the host started"
                         )
                 continue
-            self._release(len(payload))
+            self.release_backlog(len(payload))
             if rid != 0:
                 continue  # a request that finished meanwhile: late frames are dropped
             if kind == wire.HELLO and self.hello is None:
@@ -495,7 +497,8 @@ class FramedStream:
         self._requests[rid] = request
         return request
 
-    def _finish(self, request: PendingRequest) -> None:
+    def finish(self, request: PendingRequest) -> None:
+        """Forget ``request``: its inbox closed, what is still queued for it released."""
         self._requests.pop(request.rid, None)
         request.inbox.close()
         while True:
@@ -504,20 +507,21 @@ class FramedStream:
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 break
             if kind != LOST:
-                self._release(len(payload))
+                self.release_backlog(len(payload))
         request.frames.close()
 
-    def _send(self, kind: int, rid: int, payload: bytes = b"") -> None:
+    def send_frame(self, kind: int, rid: int, payload: bytes = b"") -> None:
+        """One authenticated frame to the agent (from the event loop or a relay thread)."""
         header = HEADER.pack(kind, rid, len(payload))
         with self._seq_lock:
             tag = wire.mac(self._key, self._seq_out, header, payload)
             self._seq_out += 1
             self._emit(header + payload + tag)
 
-    def _relay_send(self, kind: int, rid: int, payload: bytes = b"") -> None:
+    def relay_send(self, kind: int, rid: int, payload: bytes = b"") -> None:
         """A relay frame, from a relay thread: dropped once the stream is gone."""
         if self.tampered is None and not self._broken.is_set() and not self._closed.is_set():
-            self._send(kind, rid, payload)
+            self.send_frame(kind, rid, payload)
 
     def _send_with_header(
         self, kind: int, rid: int, header: bytes, inline: bytes | memoryview

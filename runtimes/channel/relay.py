@@ -53,10 +53,10 @@ class RelayListener:
         call from the channel's event loop)."""
         chan = self.channel
         if self.lost is None and chan.usable:
-            chan._send(wire.KILL, self.rid)
-        chan._relay.remove(self, "the relay was closed")
+            chan.send_frame(wire.KILL, self.rid)
+        chan.relay.remove(self, "the relay was closed")
         if not chan.foreign_loop:
-            chan._finish(self.request)
+            chan.finish(self.request)
         await anyio.lowlevel.checkpoint()
 
 
@@ -113,7 +113,7 @@ class Relay:
             if not rid & wire.RELAY_BIT:
                 rest.append((kind, rid, payload))
                 continue
-            self.channel._release(len(payload))
+            self.channel.release_backlog(len(payload))
             problem = self.on_frame(kind, rid, payload)
             if problem is not None:
                 return rest, problem
@@ -145,7 +145,7 @@ class Relay:
                 listener.connections[cid] = conn
                 listener.accepted += 1
         if listener is None:
-            self.channel._relay_send(wire.R_CLOSE, cid)
+            self.channel.relay_send(wire.R_CLOSE, cid)
             return None
         conn.start()
         return None
@@ -171,7 +171,7 @@ class RelayedConnection(RelayStream):
         threading.Thread(target=self._connect, name="vf-relay-in", daemon=True).start()
 
     def send(self, kind: int, payload: bytes = b"") -> None:
-        self.relay.channel._relay_send(kind, self.cid, payload)
+        self.relay.channel.relay_send(kind, self.cid, payload)
 
     def forget(self) -> None:
         self.relay.forget(self)

@@ -1,11 +1,15 @@
-"""The in-sandbox half of a shell session: a standard-library program (Python >= 3.8) shipped
-as ``python3 -c <this source>`` by :mod:`runtimes.shell.session`. It must not import
-``runtimes``.
+"""The in-sandbox half of a shell session: a standard-library program (Python >= 3.8), joined
+after the channel agent's :mod:`~runtimes.channel.agent.wire` and
+:mod:`~runtimes.channel.agent.codec` into one source and shipped through the agent's bootstrap
+(:mod:`runtimes.channel.bootstrap`) by :mod:`runtimes.shell.session`. It imports nothing else
+of ``runtimes`` (its relative imports are dropped by the joining), and defines no top-level
+name of those two.
 
 It forks an interactive ``bash`` on a new pty (job control on, the pty its controlling terminal,
-echo off, no startup files, no history) and talks to the host over its own stdin/stdout in
-frames ``type u8 | length u32 big-endian | payload`` (:mod:`runtimes.shell.protocol` holds
-the host's copy of the constants).
+echo off, no startup files, no history) and talks to the host over its own stdin/stdout in the
+channel's authenticated frames (:mod:`runtimes.shell.protocol` holds the host's copy of the
+frame kinds): the key first (the bootstrap made the process non-dumpable before the host sent
+it), then the host's ``OPEN`` (protocol version, terminal, grace), after this driver's ``GREET``.
 
 A command is written to ``<dir>/cmd`` and run by the line
 ``__vf_seq=NONCE; { . <dir>/cmd; } </dev/null ><dir>/out 2><dir>/err`` sent to the terminal
@@ -15,8 +19,6 @@ holding FIFOs the driver reads (and keeps a write end of, so it never sees EOF).
 command's end is the status line ``$? NONCE`` that the readonly ``PROMPT_COMMAND`` writes to
 ``<dir>/status``, accepted only with the random nonce of the command in flight and when the
 shell holds the terminal again.
-
-argv: ``pty(0|1) rows cols interrupt_grace``.
 """
 
 from __future__ import annotations
@@ -29,28 +31,37 @@ import select
 import signal
 import stat
 import struct
-import sys
 import tempfile
 import termios
 import time
 from collections.abc import Mapping
 from typing import NoReturn
 
+from ..channel.agent.codec import FrameError, Opener, Sealer
+from ..channel.agent.wire import KEY
+
+SHELL_VERSION = 2
+"""The shell protocol's version (:data:`runtimes.shell.protocol.VERSION`)."""
+OPEN_FIELDS = struct.Struct(">IBHHd")
+VERSION_FIELD = struct.Struct(">I")
 # host -> driver
+OPEN = 0x4E  # N: the first frame: version u32, pty u8, rows u16, cols u16, grace f64
 RUN = 0x52  # R: payload the command's bytes
 INPUT = 0x49  # I: bytes for the terminal (pty mode)
 INTERRUPT = 0x43  # C: interrupt the command in flight
 RESIZE = 0x57  # W: rows u16, cols u16
 QUIT = 0x51  # Q: end the session
 # driver -> host
+GREET = 0x48  # H: the first frame: the driver's version u32
 READY = 0x53  # S: the shell is ready; payload its pid
 OUT = 0x4F  # O: stdout bytes (pty mode: everything the terminal wrote)
 ERR = 0x45  # E: stderr bytes
 END = 0x58  # X: the command ended; payload its status as ASCII
 DEAD = 0x44  # D: the session is dead; payload the reason, UTF-8
 
-HEADER = struct.Struct(">BI")
-CHUNK = 65536
+READ_SIZE = 65536
+MAX_COMMAND = 1 << 30
+"""The longest frame the driver takes from the host (a command's bytes)."""
 RETRY = 0.05
 RESET_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE)
 """Set to their defaults for bash, which hands them on to its jobs as it got them."""
@@ -68,15 +79,6 @@ CLEAN_ENV = ("BASH_ENV", "ENV", "PROMPT_COMMAND", "PS0", "PS1", "PS2", "TMOUT", 
 
 def quote(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
-
-
-def no_dump() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
-    except Exception:  # noqa: BLE001 -- best effort: not every libc answers
-        pass
 
 
 def find_bash(env: Mapping[str, str]) -> str | None:
@@ -123,15 +125,17 @@ def echo_off(fd: int) -> None:
 
 
 class Host:
-    """Frames in from stdin, frames out to stdout."""
+    """Authenticated frames in from stdin, out to stdout (request id 0)."""
 
-    def __init__(self) -> None:
-        self.buf = bytearray()
+    def __init__(self, key: bytes) -> None:
+        self.sealer = Sealer(key)
+        self.opener = Opener(key, MAX_COMMAND)
         self.eof = False
+        self.backlog: list[tuple[int, bytes]] = []
+        """Frames read with the ``OPEN`` frame, handled once the session serves."""
 
     def send(self, kind: int, payload: bytes = b"") -> None:
-        data = HEADER.pack(kind, len(payload)) + payload
-        view = memoryview(data)
+        view = memoryview(self.sealer.seal(kind, 0, payload))
         while view:
             try:
                 n = os.write(1, view)
@@ -140,22 +144,22 @@ class Host:
             view = view[n:]
 
     def read_frames(self) -> list[tuple[int, bytes]]:
-        chunk = os.read(0, CHUNK)
+        """The frames one read completed.
+
+        Raises:
+            FrameError: a frame the host did not write (something else writes to stdin).
+        """
+        chunk = os.read(0, READ_SIZE)
         if not chunk:
             self.eof = True
             return []
-        self.buf += chunk
-        frames = []
-        offset = 0
-        while len(self.buf) - offset >= HEADER.size:
-            kind, size = HEADER.unpack_from(self.buf, offset)
-            end = offset + HEADER.size + size
-            if len(self.buf) < end:
-                break
-            frames.append((kind, bytes(self.buf[offset + HEADER.size : end])))
-            offset = end
-        del self.buf[:offset]
-        return frames
+        return [(kind, payload) for kind, _, payload in self.opener.feed(chunk)]
+
+    def first_frame(self) -> tuple[int, bytes] | None:
+        """The host's first frame (the others read with it wait in ``backlog``); None at EOF."""
+        while not self.backlog and not self.eof:
+            self.backlog += self.read_frames()
+        return self.backlog.pop(0) if self.backlog else None
 
 
 class Session:
@@ -322,7 +326,7 @@ class Session:
 
     def on_status(self) -> None:
         try:
-            chunk = os.read(self.fifos["status"], CHUNK)
+            chunk = os.read(self.fifos["status"], READ_SIZE)
         except BlockingIOError:
             return
         self.status_buf += chunk
@@ -359,7 +363,7 @@ class Session:
     def forward(self, fd: int, kind: int) -> bool:
         """One read from ``fd``; False when it had nothing."""
         try:
-            data = os.read(fd, CHUNK)
+            data = os.read(fd, READ_SIZE)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:  # EIO: the terminal's last user is gone
@@ -387,7 +391,7 @@ class Session:
 
     def forward_discard(self, fd: int) -> bool:
         try:
-            return bool(os.read(fd, CHUNK))
+            return bool(os.read(fd, READ_SIZE))
         except OSError:
             return False
 
@@ -457,6 +461,9 @@ class Session:
 
 
 def serve(session: Session, host: Host, wake: int) -> None:
+    for kind, payload in host.backlog:
+        handle(session, kind, payload)
+    host.backlog = []
     while True:
         readers = [0, session.master, wake, *session.fifos.values()]
         writers = [session.master] if session.pending else []
@@ -486,7 +493,11 @@ def serve(session: Session, host: Host, wake: int) -> None:
                     what = f"the shell exited before it was ready (status {session.bash_status})"
                 session.die(what)
         if 0 in readable:
-            for kind, payload in host.read_frames():
+            try:
+                frames = host.read_frames()
+            except FrameError as exc:
+                session.die(f"a frame the host did not send: {exc}")
+            for kind, payload in frames:
                 handle(session, kind, payload)
             if host.eof:
                 session.cleanup()
@@ -513,11 +524,49 @@ def handle(session: Session, kind: int, payload: bytes) -> None:
         os._exit(0)
 
 
+def read_exact(size: int) -> bytes | None:
+    data = b""
+    while len(data) < size:
+        chunk = os.read(0, size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def opened(host: Host) -> tuple[bool, int, int, float] | None:
+    """The session's terminal and grace from the host's ``OPEN``; None (after saying why) if
+    it is not one of this version."""
+    try:
+        first = host.first_frame()
+    except FrameError as exc:
+        host.send(DEAD, f"a frame the host did not send: {exc}".encode())
+        return None
+    if first is None:
+        return None
+    kind, payload = first
+    if kind != OPEN or len(payload) < VERSION_FIELD.size:
+        host.send(DEAD, b"the host's first frame is not OPEN")
+        return None
+    (version,) = VERSION_FIELD.unpack_from(payload)
+    if version != SHELL_VERSION or len(payload) != OPEN_FIELDS.size:
+        reason = f"the host speaks shell protocol version {version}, this driver {SHELL_VERSION}"
+        host.send(DEAD, reason.encode())
+        return None
+    _, use_pty, rows, cols, grace = OPEN_FIELDS.unpack(payload)
+    return use_pty == 1, rows, cols, grace
+
+
 def main() -> None:
-    no_dump()
-    host = Host()
-    use_pty, rows, cols = sys.argv[1] == "1", int(sys.argv[2]), int(sys.argv[3])
-    grace = float(sys.argv[4])
+    key = read_exact(KEY)  # sent once the bootstrap made this process non-dumpable
+    if key is None:
+        return
+    host = Host(key)
+    host.send(GREET, VERSION_FIELD.pack(SHELL_VERSION))
+    params = opened(host)
+    if params is None:
+        return
+    use_pty, rows, cols, grace = params
     bash = find_bash(os.environ)
     if bash is None:
         host.send(DEAD, b"no bash in the sandbox (searched PATH)")
@@ -541,5 +590,5 @@ def main() -> None:
         raise
 
 
-if __name__ in ("__main__", "__vf_shell_driver__"):
+if __name__ in ("__main__", "__vf_sandbox_agent__"):
     main()

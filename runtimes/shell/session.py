@@ -1,6 +1,8 @@
 """The host side of a shell session (:meth:`runtimes.Runtime.shell`): one long ``exec`` of
-the driver (:mod:`runtimes.shell.driver`), fed frames through an incremental stdin and read
-through ``on_output``, in a task group the session owns. See ``docs/shell.md``."""
+the driver (:mod:`runtimes.shell.driver`) through the channel agent's bootstrap, fed its source
+and then authenticated frames through an incremental stdin, read through ``on_output``
+(:class:`~runtimes.shell.protocol.Link`), in a task group the session owns. See
+``docs/shell.md``."""
 
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ class ShellSession:
         self._send: MemoryObjectSendStream[bytes]
         self._receive: MemoryObjectReceiveStream[bytes]
         self._send, self._receive = anyio.create_memory_object_stream[bytes](math.inf)
-        self._parser = protocol.FrameParser()
+        self._link = protocol.Link(pty=pty, rows=self._rows, cols=self._cols, grace=self._grace)
         self._lock = anyio.Lock()
         self._ready = anyio.Event()
         self._ready_or_dead = anyio.Event()
@@ -333,10 +335,9 @@ class ShellSession:
         reason = "the shell session's driver did not answer and was killed"
         try:
             with self._serve_scope:
+                self._send.send_nowait(self._link.opening())
                 result = await self._runtime.exec(
-                    protocol.driver_argv(
-                        pty=self._pty, rows=self._rows, cols=self._cols, grace=self._grace
-                    ),
+                    protocol.driver_command(),
                     stdin=self._receive,
                     on_output=self._on_output,
                     keep_output=False,
@@ -363,7 +364,7 @@ class ShellSession:
 
     def _exit_reason(self, code: int) -> str:
         tail = self._driver_stderr.decode("utf-8", "replace").strip()
-        if code == 127 and not self._ready.is_set():
+        if self._link.no_python or (code == 127 and not self._ready.is_set()):
             return "no python3 in the sandbox: a shell session needs it"
         detail = f": {tail[-500:]}" if tail else ""
         return f"the shell session's driver exited with status {code}{detail}"
@@ -373,7 +374,10 @@ class ShellSession:
             self._driver_stderr += chunk
             del self._driver_stderr[:-STDERR_TAIL]
             return
-        for kind, payload in self._parser.feed(chunk):
+        reply, frames = self._link.feed(chunk)
+        if reply:
+            self._send_raw(reply)
+        for kind, payload in frames:
             self._on_frame(kind, payload)
 
     def _on_frame(self, kind: int, payload: bytes) -> None:
@@ -407,9 +411,14 @@ class ShellSession:
         return ShellSessionError(death.reason)
 
     def _send_frame(self, kind: int, payload: bytes = b"") -> None:
+        data = self._link.seal(kind, payload)
+        if data:
+            self._send_raw(data)
+
+    def _send_raw(self, data: bytes) -> None:
         # a driver that is gone has its end reported by _serve
         with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._send.send_nowait(protocol.frame(kind, payload))
+            self._send.send_nowait(data)
 
     def _run_limit(self, output_limit: int | None) -> int:
         limit = self._runtime.config.output_limit if output_limit is None else output_limit

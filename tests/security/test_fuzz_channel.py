@@ -211,7 +211,7 @@ def test_relay_frames_are_obeyed_or_a_tamper_verdict(frames: list[tuple[int, int
     opened on listener 1, data, acknowledgements, closes, in any order and size. The host
     side of each connection is not connected (only the frames' handling is fuzzed)."""
     stream = FramedStream(NoTransport(), "fuzz")
-    relay = stream._relay
+    relay = stream.relay
     inbox, outbox = anyio.create_memory_object_stream[Any](0)
     request = PendingRequest(1, inbox, outbox)
     relay.add(RelayListener(stream, request, ("127.0.0.1", 9), max_connections=2))

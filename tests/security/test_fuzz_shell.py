@@ -1,8 +1,10 @@
 """Attack class 21: the host's parsers of a shell session's driver bytes, fuzzed (hypothesis).
 
-A shell session (``runtimes/shell``, ``docs/shell.md``) reads its driver's stdout: frames
-(``type u8 | length u32 | payload``, :class:`runtimes.shell.protocol.FrameParser`) whose
-``READY`` and ``END`` payloads are a pid and a command's status in ASCII
+A shell session (``runtimes/shell``, ``docs/shell.md``) reads its driver's stdout: the
+bootstrap's ``ready`` line, then the channel's authenticated frames (``type u8 | request id u32
+| length u32 | payload | tag``, :class:`runtimes.shell.protocol.FrameParser`, after the
+driver's ``GREET``; here the driver is scripted and knows the key, as a replaced one would
+not) whose ``READY`` and ``END`` payloads are a pid and a command's status in ASCII
 (:func:`runtimes.shell.protocol.number`), ``OUT``/``ERR`` the command's output and ``DEAD`` a
 reason; and the driver's stderr, kept as a tail to explain a death. The driver runs in the
 sandbox (a root policy can replace ``python3``), so every byte of it is hostile.
@@ -20,7 +22,7 @@ The budget: see :mod:`tests.security.fuzzing` (a fixed number of derandomized ex
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, cast
@@ -32,6 +34,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from runtimes import ExecResult
+from runtimes.channel import bootstrap
+from runtimes.channel.agent.codec import Opener, Sealer
 from runtimes.errors import (
     ExecTimeoutError,
     OutputLimitExceededError,
@@ -39,7 +43,7 @@ from runtimes.errors import (
     ShellSessionError,
 )
 from runtimes.shell import protocol
-from runtimes.shell.protocol import HEADER, MAX_PAYLOAD, DriverProtocolError, FrameParser, frame
+from runtimes.shell.protocol import HEADER, KEY, MAX_PAYLOAD, TAG, DriverProtocolError, FrameParser
 from runtimes.shell.session import STDERR_TAIL, ShellSession
 
 from .fuzzing import allocation_peak, cut, fuzz
@@ -51,6 +55,21 @@ BASE_PEAK = 256 * 1024
 SESSION_PEAK = 1024 * 1024
 """Allocations of one whole session whatever the driver says (see its test)."""
 DRIVER_KINDS = [protocol.READY, protocol.OUT, protocol.ERR, protocol.END, protocol.DEAD]
+TEST_KEY = bytes(range(KEY))
+protocol.driver_source()  # joined once (cached): not a cost of the first session measured
+Frames = list[tuple[int, bytes]]
+Script = Frames | bytes
+"""What a scripted driver says: frames (sealed under the key as it plays them) or raw bytes."""
+
+
+def sealed(frames: Frames, sealer: Sealer | None = None) -> bytes:
+    """``frames`` as a driver keyed with ``TEST_KEY`` (or ``sealer``'s key) writes them."""
+    sealer = sealer or Sealer(TEST_KEY)
+    return b"".join(sealer.seal(kind, 0, payload) for kind, payload in frames)
+
+
+def frame(kind: int, payload: bytes) -> Frames:
+    return [(kind, payload)]
 
 
 def feed_all(parser: FrameParser, pieces: list[bytes]) -> tuple[list[tuple[int, bytes]], bool]:
@@ -62,7 +81,7 @@ def feed_all(parser: FrameParser, pieces: list[bytes]) -> tuple[list[tuple[int, 
             frames += parser.feed(piece)
         except DriverProtocolError:
             return frames, True
-        assert len(parser._buffer) < HEADER.size + MAX_PAYLOAD
+        assert parser.buffered < HEADER.size + MAX_PAYLOAD + TAG
     return frames, False
 
 
@@ -74,15 +93,16 @@ sizes = st.lists(st.integers(1, 300), min_size=1, max_size=6)
 
 @fuzz(400)
 @given(data=st.binary(max_size=4096), chunks=sizes)
-@example(data=HEADER.pack(protocol.OUT, 2**32 - 1) + b"x" * 64, chunks=[2])
-@example(data=HEADER.pack(protocol.END, MAX_PAYLOAD) + b"1", chunks=[1])
+@example(data=HEADER.pack(protocol.OUT, 0, 2**32 - 1) + b"x" * 64, chunks=[2])
+@example(data=HEADER.pack(protocol.END, 0, MAX_PAYLOAD) + b"1", chunks=[1])
+@example(data=sealed([(protocol.OUT, b"x")]) + b"junk" * 9, chunks=[5])
 def test_arbitrary_bytes_are_frames_or_a_protocol_error(data: bytes, chunks: list[int]) -> None:
-    parser = FrameParser()
+    parser = FrameParser(TEST_KEY)
     with allocation_peak() as peak:
         frames, refused = feed_all(parser, cut(data, chunks))
     assert sum(HEADER.size + len(p) for _, p in frames) <= len(data)
     if not refused:
-        assert data.startswith(b"".join(frame(k, p) for k, p in frames))
+        assert data.startswith(sealed(frames))
     assert peak[0] < BASE_PEAK + 4 * len(data), peak
 
 
@@ -97,10 +117,10 @@ frames_st = st.lists(
 def test_frames_cut_anywhere_parse_exactly(
     frames: list[tuple[int, bytes]], chunks: list[int]
 ) -> None:
-    data = b"".join(frame(kind, payload) for kind, payload in frames)
-    parser = FrameParser()
+    data = sealed(frames)
+    parser = FrameParser(TEST_KEY)
     got, refused = feed_all(parser, cut(data, chunks))
-    assert not refused and got == frames and len(parser._buffer) == 0
+    assert not refused and got == frames and parser.buffered == 0
 
 
 @fuzz(100)
@@ -109,9 +129,9 @@ def test_frames_cut_anywhere_parse_exactly(
 def test_a_huge_announced_frame_is_refused_before_anything_is_buffered(
     size: int, kind: int
 ) -> None:
-    parser = FrameParser()
+    parser = FrameParser(TEST_KEY)
     with allocation_peak() as peak, pytest.raises(DriverProtocolError, match=str(size)):
-        parser.feed(HEADER.pack(kind, size) + b"x" * 100)
+        parser.feed(HEADER.pack(kind, 0, size) + b"x" * 100)
     assert peak[0] < BASE_PEAK, peak
 
 
@@ -135,14 +155,14 @@ def test_a_pid_or_status_is_its_ascii_number_or_a_protocol_error(payload: bytes)
 
 
 class ScriptedDriver:
-    """A runtime whose ``exec`` of the driver plays a scripted driver: ``greeting`` (its
-    stdout bytes before the first command) and ``stderr``, then, once the session sent the
-    command, ``answer``, each cut at ``sizes``; then it exits. ``on_output`` is called as a
-    runtime calls it, and what it raises ends the exec (as ``Runtime.exec`` re-raises it
-    after killing the tree)."""
+    """A runtime whose ``exec`` of the driver plays a scripted driver: ``stderr``, the
+    bootstrap's ``ready``, then (keyed) its ``GREET`` and ``greeting`` (its stdout before the
+    first command), then, once the session sent the command, ``answer``, each cut at
+    ``sizes``; then it exits. ``on_output`` is called as a runtime calls it, and what it
+    raises ends the exec (as ``Runtime.exec`` re-raises it after killing the tree)."""
 
     def __init__(
-        self, greeting: bytes, answer: bytes, sizes: list[int], stderr: bytes = b""
+        self, greeting: Script, answer: Script, sizes: list[int], stderr: bytes = b""
     ) -> None:
         self.greeting = greeting
         self.answer = answer
@@ -152,34 +172,58 @@ class ScriptedDriver:
 
     async def exec(self, argv: list[str], **kwargs: Any) -> ExecResult:
         on_output: Callable[[str, bytes], object] = kwargs["on_output"]
-        stdin: AsyncIterable[bytes] = kwargs["stdin"]
+        stdin: AsyncIterator[bytes] = kwargs["stdin"]
+        sent = bytearray()
+
+        async def received(size: int) -> bool:
+            """Read stdin until ``sent`` holds ``size`` bytes; False if it ended first."""
+            while len(sent) < size:
+                try:
+                    sent.extend(await anext(stdin))
+                except StopAsyncIteration:
+                    return False
+            return True
+
         for piece in cut(self.stderr, self.sizes):
             on_output("stderr", piece)
-        for piece in cut(self.greeting, self.sizes):
+        for piece in cut(bootstrap.READY, self.sizes):
+            on_output("stdout", piece)
+            await anyio.lowlevel.checkpoint()
+        # the bootstrap reads the source; then the host sends the key
+        if not await received(10) or not await received(10 + int(sent[:10]) + KEY):
+            return ExecResult(0, b"", b"")
+        start = 10 + int(sent[:10])
+        sealer = Sealer(bytes(sent[start : start + KEY]))
+        opener = Opener(sealer.key, 1 << 30)
+        del sent[: start + KEY]
+        greet = sealer.seal(protocol.GREET, 0, protocol.VERSION_FIELD.pack(protocol.VERSION))
+        for piece in cut(greet + _played(self.greeting, sealer), self.sizes):
             on_output("stdout", piece)
             await anyio.lowlevel.checkpoint()
         if not _answered(self.greeting):
             return ExecResult(0, b"", b"")  # the session would only wait for its start timeout
-        sent = bytearray()
-        async for chunk in stdin:  # until the command (or the session's QUIT) arrives
-            sent += chunk
-            if len(sent) >= HEADER.size:
-                break
-        if sent[:1] == bytes([protocol.RUN]):
-            for piece in cut(self.answer, self.sizes):
+        frames = opener.feed(bytes(sent))  # OPEN, then the command or the session's QUIT
+        fed = len(sent)
+        while len(frames) < 2 and await received(fed + 1):
+            frames += opener.feed(bytes(sent[fed:]))
+            fed = len(sent)
+        if len(frames) >= 2 and frames[1][0] == protocol.RUN:
+            for piece in cut(_played(self.answer, sealer), self.sizes):
                 on_output("stdout", piece)
                 await anyio.lowlevel.checkpoint()
         return ExecResult(0, b"", b"")
 
 
-def _answered(greeting: bytes) -> bool:
+def _played(script: Script, sealer: Sealer) -> bytes:
+    return script if isinstance(script, bytes) else sealed(script, sealer)
+
+
+def _answered(greeting: Script) -> bool:
     """Whether the session answers ``greeting`` (a command once ready, a ``QUIT`` once dead):
-    it holds a ``READY`` or a ``DEAD`` frame."""
-    try:
-        frames = FrameParser().feed(greeting)
-    except DriverProtocolError:
+    it holds a ``READY`` or a ``DEAD`` frame (raw bytes never authenticate)."""
+    if isinstance(greeting, bytes) or any(len(p) > MAX_PAYLOAD for _, p in greeting):
         return False
-    return any(kind in (protocol.READY, protocol.DEAD) for kind, _ in frames)
+    return any(kind in (protocol.READY, protocol.DEAD) for kind, _ in greeting)
 
 
 @dataclass
@@ -228,9 +272,9 @@ driver_frames = st.lists(
     st.one_of(
         st.tuples(st.sampled_from([protocol.READY, protocol.END]), statuses),
         st.tuples(st.sampled_from(DRIVER_KINDS) | st.integers(0, 255), st.binary(max_size=200)),
-    ).map(lambda f: frame(*f)),
+    ),
     max_size=6,
-).map(b"".join)
+)
 
 
 @fuzz(300)
@@ -254,7 +298,7 @@ driver_frames = st.lists(
     chunks=[2],
 )
 def test_anything_the_driver_says_is_a_result_or_a_typed_error(
-    greeting: bytes, answer: bytes, stderr: bytes, chunks: list[int]
+    greeting: Script, answer: Script, stderr: bytes, chunks: list[int]
 ) -> None:
     driver = ScriptedDriver(greeting, answer, chunks, stderr)
     with allocation_peak() as peak:
@@ -262,12 +306,13 @@ def test_anything_the_driver_says_is_a_result_or_a_typed_error(
     assert_typed(outcome)
     if outcome.error is not None and not outcome.started:
         assert isinstance(outcome.error, ShellSessionError), repr(outcome.error)
-    size = len(greeting) + len(answer) + len(stderr)
+    size = len(sealed(greeting) if isinstance(greeting, list) else greeting)
+    size += len(sealed(answer) if isinstance(answer, list) else answer) + len(stderr)
     assert peak[0] < SESSION_PEAK + 4 * size, peak
 
 
 @st.composite
-def conversations(draw: st.DrawFn) -> tuple[bytes, bytes, int, ExecResult]:
+def conversations(draw: st.DrawFn) -> tuple[Frames, Frames, int, ExecResult]:
     """A well-formed driver: ready with a pid, then output and the command's status."""
     pid = draw(st.integers(1, 2**22))
     out = draw(st.lists(st.binary(min_size=1, max_size=2000), max_size=4))
@@ -275,7 +320,7 @@ def conversations(draw: st.DrawFn) -> tuple[bytes, bytes, int, ExecResult]:
     code = draw(st.integers(0, 255))
     body = [(protocol.OUT, o) for o in out] + [(protocol.ERR, e) for e in err]
     body = draw(st.permutations(body))
-    answer = b"".join(frame(k, p) for k, p in body) + frame(protocol.END, str(code).encode())
+    answer = [*body, (protocol.END, str(code).encode())]
     stdout = b"".join(p for k, p in body if k == protocol.OUT)
     expected = ExecResult(code, stdout, b"".join(p for k, p in body if k == protocol.ERR))
     return frame(protocol.READY, str(pid).encode()), answer, pid, expected
@@ -284,7 +329,7 @@ def conversations(draw: st.DrawFn) -> tuple[bytes, bytes, int, ExecResult]:
 @fuzz(200)
 @given(case=conversations(), chunks=sizes)
 def test_a_correct_driver_cut_anywhere_gives_the_exact_result(
-    case: tuple[bytes, bytes, int, ExecResult], chunks: list[int]
+    case: tuple[Frames, Frames, int, ExecResult], chunks: list[int]
 ) -> None:
     greeting, answer, pid, expected = case
     outcome = session(ScriptedDriver(greeting, answer, chunks))
@@ -303,7 +348,7 @@ def test_a_correct_driver_cut_anywhere_gives_the_exact_result(
     [
         (frame(protocol.READY, b"abc"), b"", "not a number"),
         (frame(protocol.READY, b"7"), frame(protocol.END, b"1" * 11), "not a number"),
-        (frame(protocol.READY, b"7"), HEADER.pack(protocol.OUT, MAX_PAYLOAD + 1), "bytes"),
+        (frame(protocol.READY, b"7"), HEADER.pack(protocol.OUT, 0, MAX_PAYLOAD + 1), "bytes"),
     ],
 )
 def test_a_driver_that_breaks_the_protocol_kills_the_session_typed(

@@ -34,6 +34,7 @@ import pytest
 
 from harnesses.scripted import bash_call, reply
 from runtimes import ExecTimeoutError, Runtime, ShellSessionError, open_runtime
+from runtimes.channel.agent.codec import Sealer
 from runtimes.shell import ShellSession
 from runtimes.shell import protocol as frames
 from tests.placement import conftest as placement_fixtures
@@ -67,9 +68,11 @@ ANSWER_BOUND = TIMEOUT + 2 * max(GRACE, 1.0) + 5.0 + 5.0
 
 def _forged_statuses(up_to: int = 400) -> bytes:
     """Status lines for every likely sequence number, exit 0, and the driver's END and
-    DEAD frames as raw bytes."""
+    DEAD frames as raw bytes (sealed under a key of the forger's: it does not know the
+    session's)."""
     lines = b"".join(b"0 %d\n" % seq for seq in range(up_to))
-    return lines + frames.frame(frames.END, b"0") + frames.frame(frames.DEAD, b"forged")
+    forger = Sealer(bytes(frames.KEY))
+    return lines + forger.seal(frames.END, 0, b"0") + forger.seal(frames.DEAD, 0, b"forged")
 
 
 # ---------------------------------------------------------------------- (a) forged ends

@@ -1,5 +1,6 @@
 """The in-sandbox shell driver on its own: started with the local ``python3`` exactly as a
-session ships it (``python3 -I -S -B -c <source>``), spoken to in frames over its stdin and
+session ships it (through the channel agent's bootstrap, ``python3 -I -S -B -c BOOTSTRAP``,
+its source and then the key on stdin), spoken to in authenticated frames over its stdin and
 stdout. What these pin down is the driver's half of the contract: statuses, interrupts and
 their escalation, death, the terminal, cleanup, and the defences of docs/shell.md."""
 
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from runtimes.channel import bootstrap
+from runtimes.channel.agent.codec import Sealer
 from runtimes.shell import protocol
 
 PYTHON = "/usr/bin/python3"
@@ -35,23 +38,25 @@ class Driver:
         cols: int = 80,
         user: str | None = None,
     ) -> None:
-        argv = protocol.driver_argv(pty=pty, rows=rows, cols=cols, grace=grace)
-        argv[0] = PYTHON
+        self.link = protocol.Link(pty=pty, rows=rows, cols=cols, grace=grace)
         self.proc = subprocess.Popen(
-            argv,
+            protocol.driver_command(PYTHON),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env if env is not None else {"PATH": os.environ["PATH"]},
             user=user,
             cwd="/",
         )
-        self.parser = protocol.FrameParser()
+        self.write(self.link.opening())
         self.pending: list[tuple[int, bytes]] = []
 
-    def send(self, kind: int, payload: bytes = b"") -> None:
+    def write(self, data: bytes) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(protocol.frame(kind, payload))
+        self.proc.stdin.write(data)
         self.proc.stdin.flush()
+
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        self.write(self.link.seal(kind, payload))
 
     def frame(self, timeout: float = 10.0) -> tuple[int, bytes]:
         assert self.proc.stdout is not None
@@ -64,7 +69,10 @@ class Driver:
             chunk = os.read(self.proc.stdout.fileno(), 65536)
             if not chunk:
                 raise AssertionError("the driver's stdout ended")
-            self.pending += self.parser.feed(chunk)
+            reply, frames = self.link.feed(chunk)
+            if reply:
+                self.write(reply)
+            self.pending += frames
         return self.pending.pop(0)
 
     def ready(self) -> int:
@@ -365,6 +373,79 @@ def test_the_driver_and_the_host_agree_on_the_frame_numbers() -> None:
     from runtimes.shell import driver
 
     names = ("RUN", "INPUT", "INTERRUPT", "RESIZE", "QUIT", "READY", "OUT", "ERR", "END", "DEAD")
-    for name in names:
+    for name in (*names, "OPEN", "GREET"):
         assert getattr(driver, name) == getattr(protocol, name), name
-    assert driver.HEADER.format == protocol.HEADER.format
+    for fields in ("OPEN_FIELDS", "VERSION_FIELD"):
+        assert getattr(driver, fields).format == getattr(protocol, fields).format, fields
+    assert driver.SHELL_VERSION == protocol.VERSION
+
+
+def test_the_driver_shadows_no_name_of_the_parts_joined_before_it() -> None:
+    """The driver's source is wire.py, codec.py, then driver.py in one namespace: a top-level
+    name of the driver's that is also one of theirs would change what their code uses."""
+    import ast
+
+    def top_level(path: Path) -> set[str]:
+        names = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names.add(node.name)
+            for target in getattr(node, "targets", [getattr(node, "target", None)]):
+                names |= (
+                    {n.id for n in ast.walk(target) if isinstance(n, ast.Name)} if target else set()
+                )
+        return names
+
+    *shared, own = protocol.DRIVER_PARTS
+    assert not top_level(own) & set().union(*(top_level(p) for p in shared))
+
+
+def _handshake(version: int) -> tuple[subprocess.Popen[bytes], protocol.FrameParser, bytes]:
+    """A driver keyed by hand whose OPEN says ``version``; (process, parser, its stdout)."""
+    proc = subprocess.Popen(
+        protocol.driver_command(PYTHON),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={"PATH": "/usr/bin:/bin"},
+        cwd="/",
+    )
+    key = os.urandom(protocol.KEY)
+    opening = protocol.open_payload(pty=False, rows=24, cols=80, grace=0.5, version=version)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(protocol.driver_source())
+    proc.stdin.flush()
+    assert proc.stdout.read(len(bootstrap.READY)) == bootstrap.READY
+    proc.stdin.write(key + Sealer(key).seal(protocol.OPEN, 0, opening))
+    proc.stdin.close()
+    out = proc.stdout.read()
+    proc.wait(timeout=10)
+    proc.stdout.close()
+    return proc, protocol.FrameParser(key), out
+
+
+def test_an_open_of_another_protocol_version_is_refused() -> None:
+    proc, parser, out = _handshake(protocol.VERSION - 1)
+    frames = parser.feed(out)
+    assert frames[0] == (protocol.GREET, protocol.VERSION_FIELD.pack(protocol.VERSION))
+    assert frames[1][0] == protocol.DEAD and b"version 1" in frames[1][1], frames
+    assert len(frames) == 2 and proc.returncode == 0
+
+
+def test_a_greeting_of_another_protocol_version_is_refused() -> None:
+    link = protocol.Link(pty=False, rows=24, cols=80, grace=1.0)
+    reply, frames = link.feed(bootstrap.READY)
+    assert frames == [] and len(reply) > protocol.KEY
+    greet = Sealer(reply[: protocol.KEY]).seal(
+        protocol.GREET, 0, protocol.VERSION_FIELD.pack(protocol.VERSION + 1)
+    )
+    with pytest.raises(protocol.DriverProtocolError, match=f"version {protocol.VERSION + 1}"):
+        link.feed(greet)
+
+
+def test_a_frame_the_host_did_not_seal_kills_the_session(driver: Driver) -> None:
+    """Bytes written to the driver's stdin by anyone but the host (no key) are refused: the
+    driver says why and ends the session."""
+    driver.write(Sealer(os.urandom(protocol.KEY)).seal(protocol.RUN, 0, b"echo forged"))
+    kind, payload = driver.frame()
+    assert kind == protocol.DEAD and b"did not send" in payload, payload
+    assert driver.proc.wait(timeout=5) == 0

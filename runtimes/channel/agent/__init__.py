@@ -7,9 +7,12 @@ imports) and of ``typing``, and its ``if TYPE_CHECKING:`` blocks, and hoisting t
 library imports into one block. The host sends that source through the stream it just opened
 (see ``BOOTSTRAP`` in :mod:`runtimes.channel.bootstrap`), so nothing is installed and nothing
 costs a round trip per request. The agent never imports anything from ``runtimes``; the host
-imports the two shared parts, :mod:`.wire` (frame layout, kinds, typed headers) and
-:mod:`.stream` (a relayed connection's windowed pumps), so that both sides speak from one
-definition.
+imports the shared parts, :mod:`.wire` (frame layout, kinds, typed headers), :mod:`.codec`
+(sealing and opening authenticated frames; the shell driver's too) and :mod:`.stream` (a
+relayed connection's windowed pumps), so that both sides speak from one definition; the
+subprocess backend imports :mod:`.sweep` (with :mod:`.procs`), the one freeze-then-kill sweep,
+to run it on the host (the installed package's code, loaded by the machinery as any other
+module of it: nothing a sandbox could write).
 
 Framing, both directions: ``type (u8) | request id (u32) | length (u32) | payload | tag``,
 integers big-endian; ``tag`` is HMAC-SHA256 (truncated to 16 bytes) under the per-start key
@@ -90,6 +93,7 @@ from pathlib import Path
 
 PARTS = (
     "wire",
+    "codec",
     "stream",
     "output",
     "procs",
@@ -117,14 +121,26 @@ def joined_source() -> str:
     Raises:
         RuntimeError: a part imports a part that is not joined before it.
     """
+    return join_sources([Path(__file__).parent / f"{name}.py" for name in PARTS], PROLOGUE)
+
+
+def join_sources(paths: list[Path], prologue: str) -> str:
+    """Modules joined into one source as :func:`joined_source` joins the agent's parts (the
+    shell driver is joined this way too, after :mod:`.wire` and :mod:`.codec`): a module's
+    relative imports may only name modules before it in ``paths``.
+
+    Raises:
+        RuntimeError: a module imports a module that is not joined before it.
+    """
     imports: list[str] = []
     bodies: list[str] = []
-    for index, name in enumerate(PARTS):
-        source = (Path(__file__).parent / f"{name}.py").read_text(encoding="utf-8")
-        hoisted, body = _split_part(name, source, PARTS[:index])
+    stems = tuple(path.stem for path in paths)
+    for index, path in enumerate(paths):
+        source = path.read_text(encoding="utf-8")
+        hoisted, body = _split_part(path.stem, source, stems[:index])
         imports += hoisted
         bodies.append(body)
-    return PROLOGUE + "".join(sorted(set(imports))) + "\n\n" + "\n\n".join(bodies)
+    return prologue + "".join(sorted(set(imports))) + "\n\n" + "\n\n".join(bodies)
 
 
 def _split_part(name: str, source: str, earlier: tuple[str, ...]) -> tuple[list[str], str]:
@@ -140,7 +156,7 @@ def _split_part(name: str, source: str, earlier: tuple[str, ...]) -> tuple[list[
         elif _is_type_checking_block(node):
             dropped.update(span)
         elif isinstance(node, ast.ImportFrom) and node.level:
-            if node.level != 1 or node.module not in earlier:
+            if (node.module or "").rsplit(".", 1)[-1] not in earlier:
                 raise RuntimeError(f"agent part {name!r} imports {node.module!r}: not before it")
             dropped.update(span)
         elif isinstance(node, ast.ImportFrom) and node.module in ("__future__", "typing"):

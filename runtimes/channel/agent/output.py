@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import threading
 
-from .wire import ERROR, HEADER, STARTED, ErrorReport, mac
+from .codec import Sealer
+from .wire import ERROR, STARTED, ErrorReport
 
 
 class Refused(Exception):
@@ -27,16 +28,9 @@ class Output:
 
     def __init__(self, fd: int, key: bytes) -> None:
         self._fd = fd
-        self._key = key
-        self._seq = 0
+        self._sealer = Sealer(key)
         self._lock = threading.Lock()
         self.broken = False
-
-    def _frame(self, kind: int, rid: int, payload: bytes) -> bytes:
-        header = HEADER.pack(kind, rid, len(payload))
-        tag = mac(self._key, self._seq, header, payload)
-        self._seq += 1
-        return header + payload + tag
 
     def send(self, kind: int, rid: int, payload: bytes = b"", before: bytes = b"") -> None:
         """One frame, preceded in the same write by a STARTED frame of the same request
@@ -44,8 +38,8 @@ class Output:
         with self._lock:
             if self.broken:
                 return
-            data = self._frame(STARTED, rid, before) if before else b""
-            data += self._frame(kind, rid, payload)
+            data = self._sealer.seal(STARTED, rid, before) if before else b""
+            data += self._sealer.seal(kind, rid, payload)
             view = memoryview(data)
             try:
                 while view:

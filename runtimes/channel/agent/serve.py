@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hmac
 import os
 import queue
 import signal
@@ -19,6 +18,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from .codec import FrameError, Opener
 from .execute import Exec
 from .files import Read, Write
 from .output import Output, Refused
@@ -33,7 +33,6 @@ from .wire import (
     EOF,
     EXEC,
     HALT,
-    HEADER,
     HELLO,
     KILL,
     LISTEN,
@@ -47,7 +46,6 @@ from .wire import (
     REMOVE,
     STAT,
     SWEEP,
-    TAG,
     U32,
     VERSION,
     WRITE,
@@ -59,7 +57,6 @@ from .wire import (
     ReadHeader,
     SweepHeader,
     WriteHeader,
-    mac,
     split_prefixed,
     text,
 )
@@ -131,9 +128,7 @@ class Agent:
 
     def serve(self) -> None:
         self.out.send(HELLO, 0, self.hello())
-        buf = bytearray()
-        seq = 0
-        key = self.key
+        frames = Opener(self.key, 1 << 32)
         while True:
             try:
                 data = os.read(self.in_fd, INPUT_CHUNK)
@@ -143,29 +138,19 @@ class Agent:
                 break
             if not data:
                 break
-            buf += data
-            pos = 0
-            size_buf = len(buf)
-            while size_buf - pos >= HEADER.size:
-                kind, rid, size = HEADER.unpack_from(buf, pos)
-                end = pos + HEADER.size + size
-                if end + TAG > size_buf:
-                    break
-                payload = bytes(buf[pos + HEADER.size : end])
-                expected = mac(key, seq, bytes(buf[pos : pos + HEADER.size]), payload)
-                if not hmac.compare_digest(expected, bytes(buf[end : end + TAG])):
-                    # Someone else writes to this stream: nothing it says may be obeyed,
-                    # and nothing more may be trusted. Say so (authenticated), then stop.
-                    self.out.send(ALERT, 0, text(f"a forged frame (type {kind}) at #{seq}"))
-                    self.shutdown()
-                seq += 1
+            try:
+                received = frames.feed(data)
+            except FrameError as exc:
+                # Someone else writes to this stream: nothing it says may be obeyed, and
+                # nothing more may be trusted. Say so (authenticated), then stop.
+                self.out.send(ALERT, 0, text(f"a forged frame: {exc}"))
+                self.shutdown()
+            for kind, rid, payload in received:
                 try:
                     self.dispatch(kind, rid, payload)
                 except Exception as exc:  # noqa: BLE001 - one bad request must not end the agent
                     self.finish(rid)
                     self.out.error(rid, 0, "internal", f"{type(exc).__name__}: {exc}")
-                pos = end + TAG
-            del buf[:pos]
         self.shutdown()
 
     def hello(self) -> bytes:
