@@ -23,6 +23,9 @@ subclassing the capability's class; the runtime uses it where it is declared:
 :class:`ShellOpener`      ``vf-sandbox shell ID`` into a listed sandbox
 :class:`StreamSpawner`    a process whose pipes are one stream: the channel's agent runs
                           over it
+:class:`TrustedReader`    a file read without running the sandbox's code (a restarted
+                          agent's files checked)
+:class:`BlockingTeardown` a teardown without an event loop, for the exit backstop
 :class:`MemoryKillProbe`  after an exit 137, whether the sandbox's memory limit dealt it
 :class:`HostRouter`       ways for a process in the sandbox to reach a port on the host
 ========================  ===============================================================
@@ -39,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import anyio
+
 from ._extract import Links
 from .channel.protocol import ChannelTransport
 from .config import RuntimeConfig
@@ -48,6 +53,7 @@ from .snapshot import SandboxSnapshot, SnapshotHolds
 
 __all__ = [
     "Backend",
+    "BlockingTeardown",
     "CreateRequest",
     "FileFastPath",
     "HostRouter",
@@ -59,6 +65,8 @@ __all__ = [
     "Snapshotter",
     "StreamSpawner",
     "TreeFastPath",
+    "TrustedReader",
+    "bookkeeping_request",
 ]
 
 
@@ -82,6 +90,13 @@ class Backend(abc.ABC):
     destroy_ends_processes: ClassVar[bool] = False
     """Whether :meth:`destroy` ends every process in the sandbox by itself (a container,
     a VM). When it does not, the runtime sweeps what its commands left before it."""
+    pid_namespace: ClassVar[bool] = False
+    """Whether the sandbox has a pid namespace of its own, so that every process started
+    after :meth:`create` is one of its commands' however it detached itself (``setsid``,
+    ``env -i``): the runtime's sweep then takes them all, not only those that carry the
+    mark (the channel's agent spared)."""
+    route_hint: ClassVar[str] = ""
+    """What to tell a caller who asked for a route to the host this sandbox cannot offer."""
 
     def __init__(self, config: RuntimeConfig):
         self.config = config
@@ -149,6 +164,26 @@ class Backend(abc.ABC):
         """
 
     @property
+    def policy_user(self) -> str | None:
+        """The unprivileged account a rollout's policy runs its commands as
+        (:attr:`runtimes.Runtime.policy_user`; made on first use), or ``None``: the policy
+        runs as the default user."""
+        return None
+
+    def live_cap(self) -> int | None:
+        """How many sandboxes of this backend may be alive at once in this process (a
+        config field such as ``max_live``); :meth:`runtimes.Runtime.start` waits for a
+        slot. ``None``: no cap."""
+        return None
+
+    async def prepare(self, request: CreateRequest) -> None:
+        """Cancellable work before the shielded :meth:`create`, with the live slot held:
+        pacing against an API's rate limit, or a creation the backend can cancel itself
+        (keep the handle at once, so that :meth:`destroy` removes it if the start goes no
+        further)."""
+        return None
+
+    @property
     def attached(self) -> bool:
         """Whether :meth:`create` attached to a sandbox that existed before (code of others
         may have run in it) rather than making a fresh one. The runtime then kills what its
@@ -176,8 +211,7 @@ class CreateRequest:
 
 
 class FileFastPath(abc.ABC):
-    """Capability: single files through the transport's own file API, which must not run
-    the sandbox's code (the channel verifies its agent's files through it). Each gets an
+    """Capability: single files through the transport's own file API. Each gets an
     absolute, resolved path. (``lstat`` and ``mkdir`` take the generic path, or the
     channel.)"""
 
@@ -322,6 +356,12 @@ class Snapshotter(abc.ABC):
             SandboxInvalidArgumentError: ``snapshot.id`` is not one this backend made.
         """
 
+    @classmethod
+    def destroy_snapshot_now(cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None) -> None:
+        """:meth:`destroy_snapshot` at interpreter exit (a snapshot nobody removed): on a
+        fresh event loop by default; a backend whose client cannot run one overrides it."""
+        anyio.run(cls.destroy_snapshot, snapshot, config)
+
 
 class ProcessSweeper(abc.ABC):
     """Capability: a sweep stronger than the runtime's (which kills what carries the
@@ -353,6 +393,36 @@ class ShellOpener(abc.ABC):
             SandboxFileNotFoundError: a host tool the shell needs is not installed.
         """
 
+    @classmethod
+    def shell_hint(cls, sandbox_id: str, config: RuntimeConfig) -> str | None:
+        """The command that gets into the sandbox, for the kept-sandbox notice (``None``:
+        ``vf-sandbox shell ID --runtime ...``)."""
+        return None
+
+
+class BlockingTeardown(abc.ABC):
+    """Capability: a teardown that needs no event loop, for the exit backstop (an SDK
+    that cannot run on a fresh loop at interpreter exit)."""
+
+    @abc.abstractmethod
+    def destroy_now(self, *, keep: bool) -> None:
+        """:meth:`Backend.destroy`, blocking and bounded. Never raises: what could not be
+        done is logged (the sandbox's labels leave it to ``vf-sandbox cleanup``)."""
+
+
+class TrustedReader(abc.ABC):
+    """Capability: read a file without running any of the sandbox's code (a filesystem
+    API, never ``cat``): the channel checks its agent's files through it before a
+    restart, and trusts no restart without it."""
+
+    @abc.abstractmethod
+    async def read_trusted(self, path: str) -> bytes | None:
+        """The file's bytes, ``None`` when it is missing.
+
+        Raises:
+            SandboxError: it cannot be read that way (a symlink, a directory, too large).
+        """
+
 
 class StreamSpawner(abc.ABC):
     """Capability: a long-lived process whose stdin and stdout are one byte stream. The
@@ -360,9 +430,8 @@ class StreamSpawner(abc.ABC):
     is true: every ``exec``, ``read``, ``write``, ``exists``, ``remove`` then costs about a
     millisecond instead of a process each. The runtime supplies the rest of what the
     channel needs: kills through :meth:`Backend.spawn`, :meth:`Backend.alive` as the death
-    probe, and, where the backend is a :class:`FileFastPath` (which must not run the
-    sandbox's code), the check of the agent's files before a restart. Never in a sandbox
-    the backend :attr:`~Backend.attached` to."""
+    probe, and, where the backend is a :class:`TrustedReader`, the check of the agent's
+    files before a restart. Never in a sandbox the backend :attr:`~Backend.attached` to."""
 
     @abc.abstractmethod
     async def open_stream(self, argv: list[str]) -> ChannelTransport:
@@ -389,3 +458,20 @@ class HostRouter(abc.ABC):
         Raises:
             HostRouteError: the route cannot be made.
         """
+
+
+def bookkeeping_request(
+    argv: list[str], *, cwd: str, stdin: bytes | None = None, limit: int = 1 << 20
+) -> tuple[ExecRequest, OutputSink]:
+    """A request (and its sink) for the machinery's own commands in the sandbox: no caller
+    environment, the default user, no timeout, output capped at ``limit``."""
+    request = ExecRequest(
+        argv=tuple(argv),
+        cwd=cwd,
+        env={},
+        stdin=stdin,
+        user=None,
+        timeout=None,
+        output_limit=limit,
+    )
+    return request, OutputSink(limit)

@@ -16,12 +16,11 @@ from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
-import anyio
-
 from . import ownership
 from ._extract import Links
 from .backend import (
     Backend,
+    BlockingTeardown,
     CreateRequest,
     FileFastPath,
     HostRouter,
@@ -33,23 +32,21 @@ from .backend import (
     Snapshotter,
     StreamSpawner,
     TreeFastPath,
+    TrustedReader,
 )
 from .base import Runtime
 from .channel import ChannelHooks, ChannelTransport, verify_by_reading
 from .channel.bootstrap import agent_command
 from .config import RuntimeConfig
-from .errors import SandboxError, SandboxFileNotFoundError
+from .errors import ProvisioningError, SandboxError
 from .models import ExecRequest, OutputSink, SandboxInfo
 from .routes import HostRoute, RouteKind
 from .snapshot import SandboxSnapshot
+from .sweep import CLOCK_TICK_SCRIPT, MARK_VAR, kill_argv, sweep_argv
 
 __all__ = ["BackendRuntime", "runtime_class"]
 
 log = logging.getLogger("runtimes")
-
-AGENT_FILE_LIMIT = 256 * 1024 * 1024
-"""The most read of one file the channel's agent ran from (its interpreter, its libraries)
-to check it before a restart."""
 
 
 class BackendRuntime(Runtime):
@@ -82,10 +79,15 @@ class BackendRuntime(Runtime):
             )
         if issubclass(backend, ShellOpener):
             cls.shell_argv = classmethod(_shell_argv)  # type: ignore[assignment]
+            cls.shell_hint = classmethod(_shell_hint)  # type: ignore[assignment]
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
         self.backend = self.backend_class(config)
+        self._create_request: CreateRequest | None = None
+        self._started_at: int | None = None
+        """The sandbox's clock tick when it became ours (a backend with a pid namespace of
+        its own): every process that started later is its commands'."""
 
     @property
     def sandbox_id(self) -> str | None:
@@ -96,13 +98,69 @@ class BackendRuntime(Runtime):
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _request(self) -> CreateRequest:
+        """What :meth:`Backend.prepare` and :meth:`Backend.create` are asked (made once)."""
+        if self._create_request is None:
+            labels = ownership.ownership_labels(
+                self.name, self.config.labels, keep=self.config.keep
+            )
+            self._create_request = CreateRequest(labels, self._mark, self._snapshot_source)
+        return self._create_request
+
+    def _live_cap(self) -> int | None:
+        return self.backend.live_cap()
+
+    async def _before_start(self) -> None:
+        await self.backend.prepare(self._request())
+
     async def _start(self) -> str:
-        labels = ownership.ownership_labels(self.name, self.config.labels, keep=self.config.keep)
-        request = CreateRequest(labels, self._mark, self._snapshot_source)
-        workdir = await self.backend.create(request)
+        workdir = await self.backend.create(self._request())
         self._workdir = workdir  # the channel's agent starts there
         await self._start_channel()
+        if self.backend.pid_namespace:
+            self._started_at = await self._clock_tick()
         return workdir
+
+    async def _clock_tick(self) -> int:
+        """The sandbox's clock tick now (:data:`runtimes.sweep.CLOCK_TICK_SCRIPT`).
+
+        Raises:
+            ProvisioningError: the sandbox cannot run ``sh`` or has no ``/proc``.
+        """
+        request, sink = self._internal(["sh", "-c", CLOCK_TICK_SCRIPT])
+        code = await self._routed_exec(request, sink)
+        text = bytes(sink.stdout).decode("utf-8", "replace").strip()
+        if code != 0 or not text.isdigit():
+            detail = bytes(sink.stderr).decode("utf-8", "replace").strip()
+            raise ProvisioningError(f"{self.describe()}: cannot read /proc ({code}): {detail}")
+        return int(text)
+
+    def _sweep_argv(self) -> list[str]:
+        """In a sandbox with a pid namespace of its own, every process that started after it
+        became ours, however it detached itself (the channel's agent spared); else what
+        carries the mark."""
+        if self._started_at is None:
+            return super()._sweep_argv()
+        mark = f"{MARK_VAR}={self._mark}"
+        return sweep_argv(f"since:{self._started_at}", mark, keep=self._channel_agent_pid())
+
+    def _route_hint(self) -> str:
+        return self.backend.route_hint or super()._route_hint()
+
+    @property
+    def policy_user(self) -> str | None:
+        return self.backend.policy_user
+
+    def close_at_exit(self) -> None:
+        """The exit backstop: a :class:`BlockingTeardown`'s, else ``close()`` on a fresh
+        event loop."""
+        if not isinstance(self.backend, BlockingTeardown):
+            return super().close_at_exit()
+        self._close_channel_now()
+        try:
+            self.backend.destroy_now(keep=self._keep)
+        finally:
+            self._mark_closed()
 
     # ------------------------------------------------------------------ the channel
 
@@ -112,13 +170,13 @@ class BackendRuntime(Runtime):
         :class:`FileFastPath` (none without one: the plain path serves from then on)."""
         if not isinstance(self.backend, StreamSpawner):
             return None
-        fast = self.backend if isinstance(self.backend, FileFastPath) else None
+        trusted = isinstance(self.backend, TrustedReader)
         return ChannelHooks(
             open_transport=self._open_agent,
             kill_group=self._kill_group_plainly,
             lost_means_dead=self._dead,
             probe_dead=self._dead,
-            verify_agent=None if fast is None else self._verify_agent_files,
+            verify_agent=self._verify_agent_files if trusted else None,
         )
 
     async def _open_agent(self, interpreter: str | None) -> ChannelTransport:
@@ -136,22 +194,27 @@ class BackendRuntime(Runtime):
         return self.backend.attached
 
     async def _kill_group_plainly(self, pgid: int) -> None:
-        await self._kill_orphan_groups(frozenset({pgid}))
+        """The channel's agent died holding ``pgid``: killed through ``spawn`` now (the id
+        is fresh); a kill that cannot be delivered is owed, and paid with the mark's guard
+        before the next command."""
+        request, sink = self._internal(kill_argv([pgid]))
+        try:
+            await self.backend.spawn(request, sink)
+        except SandboxError as exc:
+            log.warning("%s: could not kill process group %s: %s", self.describe(), pgid, exc)
+            self._remember_orphan(pgid)
 
     async def _dead(self) -> bool:
-        return not await self.backend.alive()
+        """Whether the sandbox is gone (a probe: a backend that cannot tell says no)."""
+        try:
+            return not await self.backend.alive()
+        except SandboxError as exc:
+            log.debug("%s: the liveness probe failed: %s", self.describe(), exc)
+            return False
 
     async def _verify_agent_files(self, digests: Mapping[str, bytes]) -> str | None:
-        assert isinstance(self.backend, FileFastPath)
-        backend = self.backend
-
-        async def read(path: str) -> bytes | None:
-            try:
-                return await backend.read(path, AGENT_FILE_LIMIT)
-            except SandboxFileNotFoundError:
-                return None
-
-        return await verify_by_reading(read, digests)
+        assert isinstance(self.backend, TrustedReader)
+        return await verify_by_reading(self.backend.read_trusted, digests)
 
     async def _close(self) -> None:
         if not self._keep and self._workdir is not None:
@@ -279,7 +342,12 @@ async def _destroy_snapshot(
 def _destroy_snapshot_at_exit(
     cls: type[BackendRuntime], snapshot: SandboxSnapshot, config: RuntimeConfig | None
 ) -> None:
-    anyio.run(_destroy_snapshot, cls, snapshot, config)
+    cast("type[Snapshotter]", cls.backend_class).destroy_snapshot_now(snapshot, config)
+
+
+def _shell_hint(cls: type[BackendRuntime], sandbox_id: str, config: RuntimeConfig) -> str:
+    hint = cast("type[ShellOpener]", cls.backend_class).shell_hint(sandbox_id, config)
+    return hint if hint is not None else BackendRuntime.shell_hint(sandbox_id, config)
 
 
 async def _shell_argv(

@@ -25,6 +25,7 @@ import anyio
 
 from ._extract import Links
 from ._local_files import shell_error, tar_directory, untar_into, write_local_file
+from .backend import bookkeeping_request
 from .channel import KILL_WAIT, ChannelHooks, ChannelInfo, ChannelSupervisor
 from .channel.agent.wire import KINDS, PathInfo
 from .config import RuntimeConfig
@@ -438,16 +439,5 @@ class Primitives(abc.ABC):
     def _internal(
         self, argv: list[str], *, stdin: bytes | None = None, limit: int = 1 << 20
     ) -> tuple[ExecRequest, OutputSink]:
-        """An exec request for the runtime's own bookkeeping commands."""
-        return (
-            ExecRequest(
-                argv=tuple(argv),
-                cwd=self._workdir or "/",
-                env={},
-                stdin=stdin,
-                user=None,
-                timeout=None,
-                output_limit=limit,
-            ),
-            OutputSink(limit),
-        )
+        """An exec request for the runtime's own bookkeeping commands, in the workdir."""
+        return bookkeeping_request(argv, cwd=self._workdir or "/", stdin=stdin, limit=limit)

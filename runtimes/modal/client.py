@@ -1,8 +1,8 @@
 """Calling the ``modal`` SDK: from asyncio or trio, its exceptions mapped to typed errors.
 
 Modal's exception table (:func:`modal_table`) says what each SDK exception means; it is
-applied at the boundary of every call: :meth:`SdkRuntime._modal_calls` for a sandbox's calls
-(:class:`SdkRuntime` holds the sandbox handle; the exec and file halves of the runtime build
+applied at the boundary of every call: :meth:`SdkBackend._modal_calls` for a sandbox's calls
+(:class:`SdkBackend` holds the sandbox handle; the exec and file halves of the backend build
 on it) and :func:`sweep_calls` for the host-side ones (listing, cleanup, snapshot records).
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from ..base import Runtime
+from ..backend import Backend, bookkeeping_request
 from ..errors import (
     ProvisioningError,
     SandboxError,
@@ -30,6 +30,7 @@ from ..errors import (
     SandboxUnavailableError,
     error_for_errno,
 )
+from ..models import ExecRequest, OutputSink
 from ..scripts import load
 from .config import ModalConfig
 
@@ -230,13 +231,14 @@ class TooLargeForFilesystemApi(SandboxError):
     """The filesystem API refused a read as too large: read it through exec instead."""
 
 
-class SdkRuntime(Runtime):
-    """The part of :class:`~runtimes.modal.ModalRuntime` that holds the sandbox handle and
+class SdkBackend(Backend):
+    """The part of :class:`~runtimes.modal.ModalBackend` that holds the sandbox handle and
     calls the SDK: retries of idempotent calls and the mapping of its exceptions."""
 
     config: ModalConfig
     _sandbox: Any
     _sandbox_id: str | None
+    _workdir: str | None
 
     def _transport_retrying(self) -> AsyncRetrying:
         return AsyncRetrying(
@@ -307,12 +309,16 @@ class SdkRuntime(Runtime):
             return SandboxError(f"{self.describe()}: {operation} failed: {exc}")
         mode = "w" if operation in ("write_bytes", "make_directory") else "r"
         request, sink = self._internal(["sh", "-c", _DIAGNOSE_SCRIPT, "sh", path, mode])
-        code = await self._exec(request, sink)
+        code = await self.spawn(request, sink)
         found = bytes(sink.stdout).strip()
         num = int(found) if code == 0 and found.isdigit() else 0
         if num == 0:
             return SandboxError(f"{self.describe()}: {operation} of {path!r} failed: {exc}")
         return error_for_errno(num, path, str(exc) or None)
+
+    def _internal(self, argv: list[str], *, limit: int = 1 << 20) -> tuple[ExecRequest, OutputSink]:
+        """A request for the backend's own commands, in the workdir."""
+        return bookkeeping_request(argv, cwd=self._workdir or "/", limit=limit)
 
     @contextlib.asynccontextmanager
     async def _modal_calls(self, operation: str, path: str | None) -> AsyncIterator[None]:

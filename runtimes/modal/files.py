@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 
 import anyio
 
-from ..channel import verify_by_reading
 from ..errors import (
     OutputLimitExceededError,
     SandboxError,
@@ -17,15 +15,15 @@ from ..errors import (
     SandboxIsADirectoryError,
     SandboxNotADirectoryError,
 )
-from .client import SdkRuntime, TooLargeForFilesystemApi
+from .client import SdkBackend, TooLargeForFilesystemApi
 
 log = logging.getLogger("runtimes.modal")
 
 
-class ModalFiles(SdkRuntime):
-    """The part of :class:`~runtimes.modal.ModalRuntime` that reads and writes files."""
+class ModalFiles(SdkBackend):
+    """The part of :class:`~runtimes.modal.ModalBackend` that reads and writes files."""
 
-    async def _read(self, path: str, limit: int) -> bytes:
+    async def read(self, path: str, limit: int) -> bytes:
         # A read whose length is not the size ``stat`` just gave is read once more: the
         # file may have changed in between (then the second answer stands), or the
         # output stream was cut short under the worker (then the second one is whole).
@@ -54,7 +52,7 @@ class ModalFiles(SdkRuntime):
         request, sink = self._internal(["cat", "--", path], limit=limit)
         with anyio.CancelScope() as scope:
             sink.on_overflow = scope.cancel
-            code = await self._exec(request, sink)
+            code = await self.spawn(request, sink)
         if sink.overflowed:
             raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
         if code != 0:
@@ -63,17 +61,17 @@ class ModalFiles(SdkRuntime):
             )
         return bytes(sink.stdout)
 
-    async def _write(self, path: str, data: bytes) -> None:
+    async def write(self, path: str, data: bytes) -> None:
         await self._files("write_bytes", path, data, path)
 
-    async def _exists(self, path: str) -> bool:
+    async def exists(self, path: str) -> bool:
         try:
             await self._files("stat", path, path)
         except (SandboxFileNotFoundError, SandboxNotADirectoryError):
             return False
         return True
 
-    async def _remove(self, path: str) -> None:
+    async def remove(self, path: str) -> None:
         try:
             try:
                 await self._files("remove", path, path, recursive=False)
@@ -82,19 +80,15 @@ class ModalFiles(SdkRuntime):
         except SandboxFileNotFoundError:
             return  # removed meanwhile (or by an attempt whose answer was lost)
 
-    async def _verify_agent_files(self, digests: Mapping[str, bytes]) -> str | None:
-        """Before the channel agent restarts: the files the first agent ran from, read
-        again through the filesystem API (no command runs in the sandbox) and hashed."""
-
-        async def read(path: str) -> bytes | None:
-            try:
-                info = await self._files("stat", path, path)
-            except (SandboxFileNotFoundError, SandboxNotADirectoryError):
-                return None
-            kind = getattr(info.type, "value", info.type)
-            if kind != "file":
-                raise SandboxError(f"{path!r} is a {kind}, not the file it was")
-            data: bytes = await self._files("read_bytes", path, path)
-            return data
-
-        return await verify_by_reading(read, digests)
+    async def read_trusted(self, path: str) -> bytes | None:
+        """A file read through the filesystem API alone (no command runs in the sandbox):
+        what the channel checks a restarted agent's files with."""
+        try:
+            info = await self._files("stat", path, path)
+        except (SandboxFileNotFoundError, SandboxNotADirectoryError):
+            return None
+        kind = getattr(info.type, "value", info.type)
+        if kind != "file":
+            raise SandboxError(f"{path!r} is a {kind}, not the file it was")
+        data: bytes = await self._files("read_bytes", path, path)
+        return data

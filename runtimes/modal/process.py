@@ -12,14 +12,13 @@ from typing import Any
 
 import anyio
 
-from ..channel import ChannelTransport, agent_command
+from ..channel import ChannelTransport
 from ..errors import ExecTimeoutError, argument_list_too_long
 from ..models import ExecRequest, MiB, OutputSink
 from ..scripts import load
 from ..stdin_feed import feed_stdin
-from ..sweep import kill_argv
 from ..wrapper import CONTROL_DIR, ReportReader, argv_size, new_nonce, spool_argv, wrapper_argv
-from .client import KILL_TIMEOUT, SdkRuntime, pump_output, sdk_call
+from .client import KILL_TIMEOUT, SdkBackend, pump_output, sdk_call
 
 log = logging.getLogger("runtimes.modal")
 
@@ -73,24 +72,17 @@ class _AgentProcess(ChannelTransport):
             log.debug("modal: closing the channel agent's stdin failed: %r", exc)
 
 
-class ModalExec(SdkRuntime):
-    """The part of :class:`~runtimes.modal.ModalRuntime` that runs commands."""
+class ModalExec(SdkBackend):
+    """The part of :class:`~runtimes.modal.ModalBackend` that runs commands."""
 
-    async def _open_agent(self, interpreter: str | None = None) -> ChannelTransport:
-        """Start the channel agent: one exec with stdin, for the sandbox's lifetime;
-        ``interpreter``: the absolute path pinned at the first start (no shell, no PATH)."""
+    async def open_stream(self, argv: list[str]) -> ChannelTransport:
+        """Start the channel agent: one exec with stdin, for the sandbox's lifetime."""
         sandbox = self._live_sandbox()
-        argv = agent_command(interpreter)
         async with self._modal_calls("exec", "the channel agent"):
             process = await sdk_call(sandbox.exec, *argv, text=False)
         return _AgentProcess(process)
 
-    async def _kill_group_plainly(self, pgid: int) -> None:
-        """The channel's fallback kill, when its agent died holding a process group."""
-        request, sink = self._internal(kill_argv([pgid]))
-        await self._exec(request, sink)
-
-    async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
+    async def spawn(self, request: ExecRequest, sink: OutputSink) -> int:
         """Run the command under the exec wrapper (``runtimes/scripts/exec.sh``, ``track``
         mode: its process group is recorded for :data:`_KILL_SCRIPT`).
 

@@ -1,5 +1,6 @@
-"""The ``modal`` runtime itself: :class:`ModalRuntime`, a Modal Sandbox created on start and
-terminated on close (its exec and file halves are in ``process.py`` and ``files.py``)."""
+"""The ``modal`` backend itself: :class:`ModalBackend`, a Modal Sandbox created on start and
+terminated on close (its exec and file halves are in ``process.py`` and ``files.py``), and
+:class:`ModalRuntime`, the runtime composed around it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,18 @@ from tenacity import (
 )
 
 from .. import limits, ownership
-from ..channel import ChannelHooks
+from ..backend import (
+    BlockingTeardown,
+    CreateRequest,
+    FileFastPath,
+    RemoveFastPath,
+    SandboxLister,
+    ShellOpener,
+    Snapshotter,
+    StreamSpawner,
+    TrustedReader,
+)
+from ..composed import BackendRuntime
 from ..config import RuntimeConfig
 from ..errors import (
     ProvisioningError,
@@ -27,7 +39,6 @@ from ..errors import (
 from ..models import SandboxInfo
 from ..scripts import load
 from ..snapshot import SandboxSnapshot, snapshot_from_labels
-from ..sweep import CLOCK_TICK_SCRIPT, MARK_VAR, sweep_argv
 from ..wrapper import CONTROL_DIR
 from . import client
 from .client import (
@@ -59,7 +70,18 @@ CREATE_BACKOFF = (1.0, 30.0)
 """First and longest wait (seconds) between creations Modal refused as resource-exhausted."""
 
 
-class ModalRuntime(ModalExec, ModalFiles):
+class ModalBackend(
+    ModalExec,
+    ModalFiles,
+    StreamSpawner,
+    TrustedReader,
+    FileFastPath,
+    RemoveFastPath,
+    SandboxLister,
+    Snapshotter,
+    ShellOpener,
+    BlockingTeardown,
+):
     """A Modal Sandbox: created on start, terminated on close.
 
     Besides the errors every runtime method documents: a sandbox Modal terminated (its
@@ -73,38 +95,31 @@ class ModalRuntime(ModalExec, ModalFiles):
     name = "modal"
     config_model = ModalConfig
     keep_supported = True
+    destroy_ends_processes = True  # terminate ends the sandbox and everything in it
+    pid_namespace = True  # the sandbox's own: every process newer than it is a command's
     snapshot_holds = "filesystem"
+    route_hint = (
+        "A Modal sandbox reaches the host only through the channel (python3 in the image, "
+        "channel=True); otherwise expose the service yourself (a tunnel) and pass its URL"
+    )
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
         self.config: ModalConfig
         self._sandbox: Any = None
         self._sandbox_id: str | None = None
-        self._started_at: int | None = None
-        """Clock tick at which the sandbox became ours: every process that started later
-        is a command's (``stop_processes``)."""
+        self._workdir: str | None = None
 
     @property
     def sandbox_id(self) -> str | None:
         return self._sandbox_id
 
-    def _channel_hooks(self) -> ChannelHooks:
-        """The agent runs as one ``Sandbox.exec`` with stdin; a restart is verified by
-        reading the agent's files through the filesystem API."""
-        return ChannelHooks(
-            open_transport=self._open_agent,
-            kill_group=self._kill_group_plainly,
-            lost_means_dead=self._finished,
-            probe_dead=self._finished,
-            verify_agent=self._verify_agent_files,
-        )
-
     # ------------------------------------------------------------------ lifecycle
 
-    def _live_cap(self) -> int | None:
+    def live_cap(self) -> int | None:
         return self.config.max_live
 
-    async def _before_start(self) -> None:
+    async def prepare(self, request: CreateRequest) -> None:
         """Create the Modal Sandbox (``start()`` then waits until it is ready).
 
         Waiting for the creation rate and between retries is cancellable; each creation
@@ -118,14 +133,11 @@ class ModalRuntime(ModalExec, ModalFiles):
                 invalid options), or it did not come up within ``create_timeout``.
         """
         try:
-            await self._create_sandbox()
+            await self._create_sandbox(request)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._discard()
             raise
-        if self.closed:  # closed while it was being created: start() refuses, nothing leaks
-            with anyio.CancelScope(shield=True):
-                await self._discard()
 
     async def _discard(self) -> None:
         """Terminate a sandbox created by a start that did not finish."""
@@ -134,10 +146,10 @@ class ModalRuntime(ModalExec, ModalFiles):
             await self._terminate(sandbox)
             await self._detach(sandbox)
 
-    async def _create_sandbox(self) -> None:
+    async def _create_sandbox(self, request: CreateRequest) -> None:
         modal = client.modal_sdk()
         errors = modal.exception
-        kwargs = await self._create_arguments(modal)
+        kwargs = await self._create_arguments(modal, request)
         retrying = AsyncRetrying(
             retry=retry_if_exception(lambda e: isinstance(e, errors.ResourceExhaustedError)),
             stop=stop_after_attempt(self.config.create_attempts),
@@ -187,7 +199,7 @@ class ModalRuntime(ModalExec, ModalFiles):
             self._sandbox = sandbox
             self._sandbox_id = str(sandbox.object_id)
 
-    async def _create_arguments(self, modal: Any) -> dict[str, Any]:
+    async def _create_arguments(self, modal: Any, request: CreateRequest) -> dict[str, Any]:
         cfg = self.config
         try:
             app = await sdk_call(
@@ -200,11 +212,11 @@ class ModalRuntime(ModalExec, ModalFiles):
             raise ProvisioningError(
                 f"cannot look up the Modal app {cfg.app_name!r}: {type(exc).__name__}: {exc}"
             ) from exc
-        snap = self._snapshot_source
+        snap = request.snapshot
         kwargs: dict[str, Any] = {
             "app": app,
             "image": self._image(modal) if snap is None else await fork_image(cfg, snap),
-            "tags": self._tags(),
+            "tags": self._tags(request.labels),
             "timeout": cfg.timeout,
             "idle_timeout": cfg.idle_timeout,
             "block_network": cfg.network == "none",
@@ -233,12 +245,19 @@ class ModalRuntime(ModalExec, ModalFiles):
             return modal.Image.from_dockerfile(str(path), context_dir=str(path.parent))
         return modal.Image.from_registry(image)
 
-    def _tags(self) -> dict[str, str]:
-        extra = {**self.config.labels, **self.config.tags}
-        labels = ownership.ownership_labels(self.name, extra, keep=self.config.keep)
-        return {key: value for key, value in labels.items() if value}
+    def _tags(self, labels: dict[str, str]) -> dict[str, str]:
+        """The sandbox's labels and the config's ``tags`` (its ``labels`` are in the first
+        already), as Modal tags (no empty values)."""
+        tags = {**labels, **self.config.tags}
+        return {key: value for key, value in tags.items() if value}
 
-    async def _start(self) -> str:
+    async def create(self, request: CreateRequest) -> str:
+        """The sandbox :meth:`prepare` created: its workdir made (and, in a fork, the exec
+        wrapper's control directory made anew).
+
+        Raises:
+            ProvisioningError: the workdir or the control directory could not be made.
+        """
         workdir = self.config.workdir or "/work"
         try:
             await self._files("make_directory", workdir, workdir, create_parents=True)
@@ -246,10 +265,9 @@ class ModalRuntime(ModalExec, ModalFiles):
             raise ProvisioningError(
                 f"{self.describe()}: cannot create the workdir {workdir!r}: {exc}"
             ) from exc
-        await self._start_channel()
-        if self._snapshot_source is not None:
+        self._workdir = workdir
+        if request.snapshot is not None:
             await self._reset_control_dir()
-        self._started_at = await self._clock_tick(workdir)
         return workdir
 
     async def _reset_control_dir(self) -> None:
@@ -261,39 +279,15 @@ class ModalRuntime(ModalExec, ModalFiles):
             ProvisioningError: it could not be made.
         """
         request, sink = self._internal(["sh", "-c", _RESET_CONTROL_DIR, "sh", CONTROL_DIR])
-        code = await self._routed_exec(request, sink)
+        code = await self.spawn(request, sink)
         if code != 0:
             detail = bytes(sink.stderr).decode("utf-8", "replace").strip()
             raise ProvisioningError(f"{self.describe()}: cannot reset {CONTROL_DIR}: {detail}")
 
-    async def _clock_tick(self, workdir: str) -> int:
-        """The sandbox's clock tick now (see :data:`~runtimes.base.CLOCK_TICK_SCRIPT`).
-
-        Raises:
-            ProvisioningError: the sandbox cannot run ``sh`` or has no ``/proc``.
-        """
-        request, sink = self._internal(["sh", "-c", CLOCK_TICK_SCRIPT])
-        code = await self._routed_exec(request, sink)
-        text = bytes(sink.stdout).decode("utf-8", "replace").strip()
-        if code != 0 or not text.isdigit():
-            detail = bytes(sink.stderr).decode("utf-8", "replace").strip()
-            raise ProvisioningError(f"{self.describe()}: cannot read /proc ({code}): {detail}")
-        return int(text)
-
-    def _sweep_argv(self) -> list[str]:
-        """Every process that started after the sandbox became ours: Modal gives the sandbox
-        a pid namespace of its own, so anything newer is a command's, however it detached
-        itself (``setsid``, ``env -i``). The channel agent's session is spared."""
-        mark = f"{MARK_VAR}={self._mark}"
-        if self._started_at is None:
-            return sweep_argv("mark", mark)
-        agent = self._channel_agent_pid()
-        return sweep_argv(f"since:{self._started_at}", mark, keep=agent)
-
-    async def _close(self) -> None:
+    async def destroy(self, *, keep: bool) -> None:
         sandbox, self._sandbox = self._sandbox, None
         if sandbox is not None:
-            if not self._keep:  # kept: it runs on until its own ``timeout``
+            if not keep:  # kept: it runs on until its own ``timeout``
                 await self._terminate(sandbox)
             await self._detach(sandbox)
 
@@ -328,15 +322,11 @@ class ModalRuntime(ModalExec, ModalFiles):
         except Exception as exc:  # noqa: BLE001 - only releases client-side resources
             log.debug("modal: detach of %s failed: %r", self._sandbox_id, exc)
 
-    def close_at_exit(self) -> None:
-        """The atexit backstop: terminate through the SDK's blocking interface (bounded)."""
-        self._close_channel_now()
+    def destroy_now(self, *, keep: bool) -> None:
+        """The exit backstop: terminate through the SDK's blocking interface (bounded)."""
         sandbox, self._sandbox = self._sandbox, None
-        try:
-            if sandbox is not None and not self._keep:
-                self._terminate_blocking(sandbox)
-        finally:
-            self._mark_closed()
+        if sandbox is not None and not keep:
+            self._terminate_blocking(sandbox)
 
     def _terminate_blocking(self, sandbox: Any) -> None:
         """Terminate through the SDK's blocking interface, in a thread, bounded.
@@ -350,7 +340,7 @@ class ModalRuntime(ModalExec, ModalFiles):
 
     # ------------------------------------------------------------------ snapshots
 
-    async def _snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
+    async def snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
         """``Sandbox.snapshot_filesystem`` (kept ``snapshot_ttl`` seconds at most), recorded
         with its labels in the app's snapshot Dict (see :mod:`.snapshots`).
 
@@ -411,20 +401,12 @@ class ModalRuntime(ModalExec, ModalFiles):
         await delete_recorded(cfg, snapshot)
 
     @classmethod
-    def _destroy_snapshot_at_exit(
-        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None
-    ) -> None:
+    def destroy_snapshot_now(cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None) -> None:
         """Through the SDK's blocking interface, in a thread, bounded."""
         cfg = config if isinstance(config, ModalConfig) else ModalConfig()
         delete_recorded_blocking(cfg, snapshot)
 
-    def _route_hint(self) -> str:
-        return (
-            "A Modal sandbox reaches the host only through the channel (python3 in the image, "
-            "channel=True); otherwise expose the service yourself (a tunnel) and pass its URL"
-        )
-
-    async def _alive(self) -> bool:
+    async def alive(self) -> bool:
         sandbox = self._sandbox
         if sandbox is None:
             return False
@@ -495,7 +477,7 @@ class ModalRuntime(ModalExec, ModalFiles):
         return infos
 
     @classmethod
-    def shell_hint(cls, sandbox_id: str, config: RuntimeConfig) -> str:
+    def shell_hint(cls, sandbox_id: str, config: RuntimeConfig) -> str | None:
         """Modal's own command (see :meth:`shell_argv`)."""
         return f"modal shell {sandbox_id}"
 
@@ -529,3 +511,10 @@ class ModalRuntime(ModalExec, ModalFiles):
                 await sdk_call(sandbox.detach)
             except modal.exception.NotFoundError:
                 return
+
+
+class ModalRuntime(BackendRuntime):
+    """The runtime over :class:`ModalBackend` (``open_runtime({"type": "modal", ...})``)."""
+
+    backend_class = ModalBackend
+    backend: ModalBackend

@@ -17,6 +17,7 @@ import anyio.abc
 from .._extract import Links
 from ..backend import (
     Backend,
+    BlockingTeardown,
     CreateRequest,
     FileFastPath,
     HostRouter,
@@ -76,6 +77,7 @@ log = logging.getLogger("runtimes.subprocess")
 
 class SubprocessBackend(
     Backend,
+    BlockingTeardown,
     FileFastPath,
     TreeFastPath,
     RemoveFastPath,
@@ -219,6 +221,10 @@ class SubprocessBackend(
         return await anyio.to_thread.run_sync(scan_snapshots, root)
 
     @classmethod
+    def destroy_snapshot_now(cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None) -> None:
+        destroy_snapshot_dir(snapshot)
+
+    @classmethod
     async def destroy_snapshot(
         cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None = None
     ) -> None:
@@ -231,7 +237,7 @@ class SubprocessBackend(
         await anyio.to_thread.run_sync(destroy_snapshot_dir, snapshot)
 
     def destroy_now(self, *, keep: bool) -> None:
-        """:meth:`destroy`, synchronous (the runtime's exit backstop)."""
+        """:meth:`destroy`, synchronous (the exit backstop needs no event loop)."""
         self._teardown(keep)
 
     def _teardown(self, keep: bool) -> None:
@@ -439,11 +445,6 @@ class SubprocessRuntime(BackendRuntime):
 
     backend_class = SubprocessBackend
     backend: SubprocessBackend
-
-    def close_at_exit(self) -> None:
-        """At exit, the teardown itself (synchronous: no event loop is needed)."""
-        self.backend.destroy_now(keep=self._keep)
-        self._mark_closed()
 
 
 # ---------------------------------------------------------------------- exec helpers

@@ -447,14 +447,14 @@ def test_modal_exceptions_map_to_typed_errors(
             assert isinstance(runtime, ModalRuntime)
             await rt.write("file", b"x")
             for exc, operation, path, expected in on_live:
-                err = await runtime._translate(exc, operation, path)
+                err = await runtime.backend._translate(exc, operation, path)
                 assert type(err) is expected, (exc, err)
                 if isinstance(err, OSError) and not isinstance(err, ConnectionError):
                     assert err.filename == path and err.errno, err
             assert runtime.sandbox_id is not None
             fake_service.expire(runtime.sandbox_id)
             for exc, expected in on_dead:
-                err = await runtime._translate(exc, "read", "/work/file")
+                err = await runtime.backend._translate(exc, "read", "/work/file")
                 assert type(err) is expected, (exc, err)
 
     anyio.run(body)
