@@ -36,7 +36,8 @@ retries with backoff when Modal answers ``ResourceExhaustedError``.
 
 The package: ``config.py`` (:class:`ModalConfig`), ``client.py`` (calling the SDK, its
 exception table), ``process.py`` (exec), ``files.py`` (the filesystem API), ``runtime.py``
-(:class:`ModalRuntime`: creation, lifecycle, sweeping) and ``scripts/`` (the shell programs run
+(:class:`ModalBackend`: creation, lifecycle, sweeping; :class:`ModalRuntime`, the runtime
+composed around it) and ``scripts/`` (the shell programs run
 in the sandbox).
 """
 
@@ -44,6 +45,6 @@ from __future__ import annotations
 
 from .config import ModalConfig
 from .process import ARGV_INLINE_LIMIT, STDIN_CHUNK
-from .runtime import ModalRuntime
+from .runtime import ModalBackend, ModalRuntime
 
-__all__ = ["ARGV_INLINE_LIMIT", "STDIN_CHUNK", "ModalConfig", "ModalRuntime"]
+__all__ = ["ARGV_INLINE_LIMIT", "STDIN_CHUNK", "ModalBackend", "ModalConfig", "ModalRuntime"]
