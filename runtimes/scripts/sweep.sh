@@ -10,6 +10,22 @@
 # own session and its ancestors are always spared.
 mode=$1 mark=$2 keep=$3 user=$4 home=$5
 since=""; case $mode in since:*) since=${mode#since:} ;; esac
+# $5 counts only as the directory its path names with no link on the way (code in the sandbox
+# may replace its workdir by one: work -> /): the sweep walks there a name at a time, each
+# step checked to have led where its name says, and compares each process's working
+# directory with its own; a path with a link in it (or "..") matches no process.
+if [ -n "$home" ]; then
+  rest=$home home="" at=""
+  case $rest in /*) cd / && home=. ;; esac
+  while [ -n "$home" ] && [ -n "$rest" ]; do
+    c=${rest%%/*}
+    case $rest in */*) rest=${rest#*/} ;; *) rest="" ;; esac
+    case $c in ""|.) continue ;; ..) home=""; break ;; esac
+    if ! cd -P -- "$c" 2>/dev/null || [ "$(pwd -P)" != "$at/$c" ]; then home=""; fi
+    at=$at/$c
+  done
+  [ -n "$at" ] || home=""
+fi
 # /proc/PID/stat is split into fields on purpose (unquoted, globbing off), after the command
 # name, which may hold anything.
 sid_of() {

@@ -106,9 +106,14 @@ def kill_script(pgids: Iterable[int], mark: str | None = None) -> ControlScript:
 
 def remove_script(directory: str, mark: str | None, home: str | None) -> ControlScript:
     """Sweep (freeze, then kill) every process whose environment carries ``mark``
-    (``NAME=value``) or whose working directory is ``home``, then remove ``directory``."""
-    sweep = sweep_argv("mark", mark, home=home) if mark else []
-    return ControlScript("remove", (directory, *sweep))
+    (``NAME=value``) or whose working directory is ``home``, then remove ``directory``.
+
+    ``home`` (``<directory>/work``) counts only as the directory its path names with no link
+    on the way: the sandbox's code may have replaced it by a link (``work -> /``). The script
+    resolves the directory holding ``directory`` and appends ``home`` so to the sweep's argv
+    (given here without its last argument, the home)."""
+    sweep = sweep_argv("mark", mark)[:-1] if mark else []
+    return ControlScript("remove", (directory, home if mark and home else "", *sweep))
 
 
 def _list_script() -> ControlScript:
@@ -234,7 +239,7 @@ def remove_snapshot_script(snapshot: SandboxSnapshot) -> ControlScript:
     """
     if not valid_snapshot_dir(snapshot.id):
         raise SandboxInvalidArgumentError(f"not an ssh snapshot directory: {snapshot.id!r}")
-    return ControlScript("remove", (snapshot.id,))
+    return ControlScript("remove", (snapshot.id, ""))
 
 
 async def destroy_host_snapshot(snapshot: SandboxSnapshot, config: SSHConfig) -> None:

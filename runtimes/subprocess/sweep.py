@@ -63,6 +63,13 @@ def real_dirs(*dirs: Path) -> tuple[str, ...]:
     return tuple(dict.fromkeys(os.path.realpath(d) for d in dirs))
 
 
+def unlinked_dirs(*dirs: Path) -> tuple[str, ...]:
+    """Each directory as its parent's real path and its own name, its own last name not
+    followed: a directory the sandbox's code replaced by a link (``work -> /``) names no
+    process's whereabouts, not the link's target."""
+    return tuple(dict.fromkeys(os.path.join(os.path.realpath(d.parent), d.name) for d in dirs))
+
+
 def sweep_target(target: SweepTarget) -> tuple[int, list[int]]:
     """Freeze-then-kill every process of ``target``; return (killed, survivors' pids).
 
@@ -117,7 +124,7 @@ def destroy_dir(directory: Path) -> None:
     since = meta.get("since")
     target = SweepTarget(
         mark=mark if isinstance(mark, str) and mark else None,
-        dirs=real_dirs(directory, workdir),
+        dirs=unlinked_dirs(directory, workdir),
         sessions={},
         since=since if isinstance(since, int) else 0,
     )
