@@ -6,9 +6,11 @@ SDK is imported when that backend is used.
 
 from __future__ import annotations
 
-from .backend import (
-    Backend,
-    CreateRequest,
+from .backend import Backend, CreateRequest, SweepScope
+from .base import Runtime, live_runtimes
+from .capabilities import (
+    AgentFilesCheck,
+    BlockingTeardown,
     FileFastPath,
     HostRouter,
     MemoryKillProbe,
@@ -19,8 +21,8 @@ from .backend import (
     Snapshotter,
     StreamSpawner,
     TreeFastPath,
+    TrustedReader,
 )
-from .base import Runtime, live_runtimes
 from .channel.agent.wire import PathInfo
 from .cleanup import cleanup_sandboxes, remove_snapshot
 from .composed import runtime_class
@@ -70,8 +72,10 @@ from .subprocess import SubprocessConfig, SubprocessRuntime
 from .sync import BlockingCallInEventLoopError, SyncRuntime, SyncShellSession, open_runtime_sync
 
 __all__ = [
+    "AgentFilesCheck",
     "Backend",
     "BlockingCallInEventLoopError",
+    "BlockingTeardown",
     "BuildContextError",
     "ChannelTamperedError",
     "CommandFailedError",
@@ -123,9 +127,11 @@ __all__ = [
     "StreamSpawner",
     "SubprocessConfig",
     "SubprocessRuntime",
+    "SweepScope",
     "SyncRuntime",
     "SyncShellSession",
     "TreeFastPath",
+    "TrustedReader",
     "UnknownRuntimeError",
     "UnsafeArchiveMemberError",
     "available_runtimes",

@@ -9,26 +9,8 @@ over ``spawn`` for every file operation (``head``, ``cat``, ``test``, ``rm``, ``
 sandbox).
 
 What a backend does better than that generic path it declares as a *capability*, by also
-subclassing the capability's class; the runtime uses it where it is declared:
-
-========================  ===============================================================
-:class:`FileFastPath`     ``read`` / ``write`` / ``exists`` through the transport's file API
-                          (Docker's archive API, SFTP, a local file)
-:class:`TreeFastPath`     ``upload`` / ``download`` of whole trees the same way
-:class:`RemoveFastPath`   ``remove`` the same way
-:class:`SandboxLister`    ``list_sandboxes`` / ``destroy_sandbox``: ``vf-sandbox ls`` and
-                          ``cleanup`` see the backend's sandboxes
-:class:`Snapshotter`      snapshots of the sandbox's files, forks opened from them
-:class:`ProcessSweeper`   a sweep stronger than the mark's (``stop_processes``, close)
-:class:`ShellOpener`      ``vf-sandbox shell ID`` into a listed sandbox
-:class:`StreamSpawner`    a process whose pipes are one stream: the channel's agent runs
-                          over it
-:class:`TrustedReader`    a file read without running the sandbox's code (a restarted
-                          agent's files checked)
-:class:`BlockingTeardown` a teardown without an event loop, for the exit backstop
-:class:`MemoryKillProbe`  after an exit 137, whether the sandbox's memory limit dealt it
-:class:`HostRouter`       ways for a process in the sandbox to reach a port on the host
-========================  ===============================================================
+subclassing the capability's class (:mod:`runtimes.capabilities`); the runtime uses it where
+it is declared.
 
 A runtime plugin is a :class:`Backend` subclass named by an entry point in
 ``vf_sandbox.runtimes`` (docs/plugins.md builds one); the registry composes its runtime
@@ -38,34 +20,20 @@ A runtime plugin is a :class:`Backend` subclass named by an entry point in
 from __future__ import annotations
 
 import abc
+from collections.abc import Collection
 from dataclasses import dataclass
-from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-import anyio
-
-from ._extract import Links
-from .channel.protocol import ChannelTransport
 from .config import RuntimeConfig
-from .models import ExecRequest, OutputSink, SandboxInfo
-from .routes import HostRoute, RouteKind
-from .snapshot import SandboxSnapshot, SnapshotHolds
+from .models import ExecRequest, OutputSink
+from .policy import DEFAULT_JUDGE_USER
+from .snapshot import SandboxSnapshot
+from .sweep import kill_argv
 
 __all__ = [
     "Backend",
-    "BlockingTeardown",
     "CreateRequest",
-    "FileFastPath",
-    "HostRouter",
-    "MemoryKillProbe",
-    "ProcessSweeper",
-    "RemoveFastPath",
-    "SandboxLister",
-    "ShellOpener",
-    "Snapshotter",
-    "StreamSpawner",
-    "TreeFastPath",
-    "TrustedReader",
+    "SweepScope",
     "bookkeeping_request",
 ]
 
@@ -95,11 +63,79 @@ class Backend(abc.ABC):
     after :meth:`create` is one of its commands' however it detached itself (``setsid``,
     ``env -i``): the runtime's sweep then takes them all, not only those that carry the
     mark (the channel's agent spared)."""
-    route_hint: ClassVar[str] = ""
-    """What to tell a caller who asked for a route to the host this sandbox cannot offer."""
+    creates_policy_user: ClassVar[bool] = True
+    """Whether a missing :attr:`policy_user` account is added to the sandbox (its accounts
+    are ours) or refused (a host whose accounts are not ours to make)."""
 
     def __init__(self, config: RuntimeConfig):
         self.config = config
+        self.owed_kills: set[int] = set()
+        """Process groups whose kill could not be delivered (:meth:`owe_kill`): the runtime
+        kills them (:meth:`kill_groups`, guarded by the mark) before the next command and
+        before a sandbox it attached to is let go."""
+
+    def owe_kill(self, pgid: int) -> None:
+        """Record a process group this backend could not kill (a kill not delivered, a
+        command it lost track of that may still run): the runtime pays the kill later."""
+        self.owed_kills.add(pgid)
+
+    async def kill_groups(self, pgids: Collection[int], *, mark: str | None) -> None:
+        """SIGKILL these process groups (each leader first); with ``mark`` (``NAME=value``)
+        only those whose leader still carries it, so a kill paid late cannot hit a process
+        that reused the id. The default runs :func:`runtimes.sweep.kill_argv` through
+        :meth:`spawn`; a backend with a way of its own (a control connection, a privileged
+        exec) overrides it.
+
+        Raises:
+            SandboxError: the kill could not be delivered.
+        """
+        request, sink = bookkeeping_request(kill_argv(pgids, mark=mark), cwd="/")
+        await self.spawn(request, sink)
+
+    def route_hint(self) -> str:
+        """What to tell a caller who asked for a route to the host this sandbox cannot
+        offer (what to configure)."""
+        return ""
+
+    def check_request(self, request: ExecRequest) -> None:
+        """Refuse, before the channel or :meth:`spawn` sees it, what :meth:`spawn` would
+        refuse in its own words, so both paths give the same error (a user the sandbox
+        cannot switch to, an argv over the transport's limits).
+
+        Raises:
+            SandboxError: the request cannot run here.
+        """
+        return None
+
+    def sweep_scope(self) -> SweepScope:
+        """Which processes :meth:`runtimes.Runtime.stop_processes` and the sweep before
+        :meth:`destroy` kill (unless the backend is a :class:`ProcessSweeper`): by default
+        those that carry the mark, or, with :attr:`pid_namespace`, every process started
+        after :meth:`create`."""
+        return SweepScope()
+
+    def makes_accounts(self) -> bool:
+        """Whether accounts (the judges') may be added to the sandbox's ``/etc/passwd``."""
+        return self.creates_policy_user
+
+    @property
+    def judge_user(self) -> str | None:
+        """The judges' account (:attr:`runtimes.Runtime.judge_user`): ``vf-judge`` where the
+        policy has an account of its own in a sandbox whose accounts are ours to make."""
+        if self.policy_user is None or not self.makes_accounts():
+            return None
+        return DEFAULT_JUDGE_USER
+
+    def policy_passage(self) -> str:
+        """A directory above the workdir the policy's account must be able to pass (made
+        searchable for it), or ``""``."""
+        return ""
+
+    async def system_tampered(self) -> str | None:
+        """:meth:`runtimes.Runtime.system_tampered`: why the sandbox's system files can no
+        longer be trusted to run a judge's commands, as seen without running its code (a
+        backend that cannot tell: ``None``)."""
+        return None
 
     @property
     def sandbox_id(self) -> str | None:
@@ -208,256 +244,28 @@ class CreateRequest:
     (:data:`runtimes.sweep.MARK_VAR`): what sweeps find its processes by."""
     snapshot: SandboxSnapshot | None = None
     """The snapshot the sandbox's files start as (only for a :class:`Snapshotter`)."""
+    policy_account_made: bool = False
+    """Whether that snapshot holds the policy's account already made and handed the
+    workdir (a fork leaves it as it is)."""
 
 
-class FileFastPath(abc.ABC):
-    """Capability: single files through the transport's own file API. Each gets an
-    absolute, resolved path. (``lstat`` and ``mkdir`` take the generic path, or the
-    channel.)"""
+@dataclass(frozen=True)
+class SweepScope:
+    """Which processes a sweep kills (:meth:`Backend.sweep_scope`; the arguments of
+    ``scripts/sweep.sh``): the channel's agent is always spared."""
 
-    @abc.abstractmethod
-    async def read(self, path: str, limit: int) -> bytes:
-        """The file's bytes, following symlinks: at most ``limit + 1`` of them (the runtime
-        raises ``OutputLimitExceededError`` over ``limit``).
-
-        Raises:
-            SandboxFileNotFoundError, SandboxIsADirectoryError, SandboxNotADirectoryError,
-            SandboxPermissionError: naming ``path``.
-        """
-
-    @abc.abstractmethod
-    async def write(self, path: str, data: bytes) -> None:
-        """Replace the file's content in place (its mode kept, a symlink written through, no
-        temporary file beside it), creating missing parents.
-
-        Raises:
-            SandboxIsADirectoryError, SandboxNotADirectoryError, SandboxPermissionError:
-                naming ``path``.
-        """
-
-    @abc.abstractmethod
-    async def exists(self, path: str) -> bool:
-        """Whether ``path`` exists (a dangling symlink does; a path through a file does not).
-
-        Raises:
-            SandboxPermissionError: a parent cannot be searched.
-        """
-
-
-class TreeFastPath(abc.ABC):
-    """Capability: whole trees through the transport's own file API."""
-
-    @abc.abstractmethod
-    async def upload(self, source: Path, remote: str) -> None:
-        """Copy the local file or directory ``source`` to the absolute ``remote``."""
-
-    @abc.abstractmethod
-    async def download(
-        self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
-    ) -> None:
-        """Copy ``remote`` to the fresh local path ``local``. A directory is unpacked with
-        :func:`runtimes.untar_into` or an equivalent that treats the sandbox's archive as
-        hostile (``skip_unsafe``, ``links``: as it documents).
-
-        Raises:
-            SandboxFileNotFoundError: ``remote`` does not exist.
-        """
-
-
-class RemoveFastPath(abc.ABC):
-    """Capability: ``remove`` through the transport's own file API."""
-
-    @abc.abstractmethod
-    async def remove(self, path: str) -> None:
-        """Remove ``path``: a file, a symlink (never what it points to) or a whole directory.
-        A missing path is the runtime's to report: it calls this only for one that exists.
-
-        Raises:
-            SandboxPermissionError: naming ``path``.
-        """
-
-
-class SandboxLister(abc.ABC):
-    """Capability: ``vf-sandbox ls`` and ``cleanup`` see this backend's sandboxes (without
-    it they are invisible to both)."""
-
-    @classmethod
-    @abc.abstractmethod
-    async def list_sandboxes(cls, config: RuntimeConfig | None = None) -> list[SandboxInfo]:
-        """Every labelled sandbox of this backend, of every creator (``config`` may be
-        ``None``: look in the default place).
-
-        Raises:
-            SandboxError: the backend cannot be reached.
-        """
-
-    @classmethod
-    @abc.abstractmethod
-    async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:
-        """Remove one listed sandbox and everything in it; one already gone is fine. Treat
-        ``info.id`` as input: refuse an id this backend could not have made.
-
-        Raises:
-            SandboxError: the removal failed.
-        """
-
-
-class MemoryKillProbe(abc.ABC):
-    """Capability: tell a memory-limit kill from any other ``SIGKILL``."""
-
-    @abc.abstractmethod
-    async def memory_kill(self, since: float) -> str | None:
-        """Whether the sandbox's memory limit killed a process since ``time.monotonic()``
-        was ``since``, as seen from outside the sandbox: the limit's setting (``"64MiB"``,
-        ``""`` if not known), else ``None``. Bounds its own time; never raises."""
-
-
-class Snapshotter(abc.ABC):
-    """Capability: snapshots of the sandbox's files, and sandboxes opened from them
-    (``docs/snapshots.md``)."""
-
-    snapshot_holds: ClassVar[SnapshotHolds]
-    """What a snapshot holds: ``"filesystem"`` (the whole root) or ``"workdir"``."""
-
-    @abc.abstractmethod
-    async def snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
-        """Take a snapshot of the live sandbox, stored with ``labels``.
-
-        Raises:
-            SandboxError: the backend failed to take it (the cause attached).
-        """
-
-    def check_fork_config(self) -> None:
-        """Refuse a config this backend cannot start from a snapshot (a sandbox to attach
-        to, a workdir of the user's own).
-
-        Raises:
-            SandboxInvalidArgumentError: the config cannot start from a snapshot.
-        """
-        return None
-
-    @classmethod
-    @abc.abstractmethod
-    async def list_snapshots(cls, config: RuntimeConfig | None = None) -> list[SandboxSnapshot]:
-        """Every labelled snapshot of this backend, of every creator.
-
-        Raises:
-            SandboxTransportError: the backend could not be reached.
-        """
-
-    @classmethod
-    @abc.abstractmethod
-    async def destroy_snapshot(
-        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None = None
-    ) -> None:
-        """Remove one snapshot; one already gone is fine.
-
-        Raises:
-            SandboxInvalidArgumentError: ``snapshot.id`` is not one this backend made.
-        """
-
-    @classmethod
-    def destroy_snapshot_now(cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None) -> None:
-        """:meth:`destroy_snapshot` at interpreter exit (a snapshot nobody removed): on a
-        fresh event loop by default; a backend whose client cannot run one overrides it."""
-        anyio.run(cls.destroy_snapshot, snapshot, config)
-
-
-class ProcessSweeper(abc.ABC):
-    """Capability: a sweep stronger than the runtime's (which kills what carries the
-    sandbox's mark, through :meth:`Backend.spawn`), for :meth:`runtimes.Runtime.stop_processes`
-    and before :meth:`Backend.destroy`."""
-
-    @abc.abstractmethod
-    async def sweep(self) -> int:
-        """Kill every process of the sandbox still running; return how many.
-
-        Raises:
-            SandboxError: some process is still running afterwards.
-        """
-
-
-class ShellOpener(abc.ABC):
-    """Capability: ``vf-sandbox shell ID`` opens an interactive shell in a listed sandbox."""
-
-    @classmethod
-    @abc.abstractmethod
-    async def shell_argv(
-        cls, info: SandboxInfo, config: RuntimeConfig | None = None, *, tty: bool
-    ) -> list[str]:
-        """The host argv (for ``os.execvp``) of a shell in ``info``'s workdir (``tty``:
-        whether stdin is a terminal).
-
-        Raises:
-            SandboxUnavailableError: the sandbox is gone.
-            SandboxFileNotFoundError: a host tool the shell needs is not installed.
-        """
-
-    @classmethod
-    def shell_hint(cls, sandbox_id: str, config: RuntimeConfig) -> str | None:
-        """The command that gets into the sandbox, for the kept-sandbox notice (``None``:
-        ``vf-sandbox shell ID --runtime ...``)."""
-        return None
-
-
-class BlockingTeardown(abc.ABC):
-    """Capability: a teardown that needs no event loop, for the exit backstop (an SDK
-    that cannot run on a fresh loop at interpreter exit)."""
-
-    @abc.abstractmethod
-    def destroy_now(self, *, keep: bool) -> None:
-        """:meth:`Backend.destroy`, blocking and bounded. Never raises: what could not be
-        done is logged (the sandbox's labels leave it to ``vf-sandbox cleanup``)."""
-
-
-class TrustedReader(abc.ABC):
-    """Capability: read a file without running any of the sandbox's code (a filesystem
-    API, never ``cat``): the channel checks its agent's files through it before a
-    restart, and trusts no restart without it."""
-
-    @abc.abstractmethod
-    async def read_trusted(self, path: str) -> bytes | None:
-        """The file's bytes, ``None`` when it is missing.
-
-        Raises:
-            SandboxError: it cannot be read that way (a symlink, a directory, too large).
-        """
-
-
-class StreamSpawner(abc.ABC):
-    """Capability: a long-lived process whose stdin and stdout are one byte stream. The
-    channel's agent (``docs/channel.md``) runs over it when the config's ``channel`` field
-    is true: every ``exec``, ``read``, ``write``, ``exists``, ``remove`` then costs about a
-    millisecond instead of a process each. The runtime supplies the rest of what the
-    channel needs: kills through :meth:`Backend.spawn`, :meth:`Backend.alive` as the death
-    probe, and, where the backend is a :class:`TrustedReader`, the check of the agent's
-    files before a restart. Never in a sandbox the backend :attr:`~Backend.attached` to."""
-
-    @abc.abstractmethod
-    async def open_stream(self, argv: list[str]) -> ChannelTransport:
-        """Start ``argv`` in the sandbox (as the default user, in the workdir, with no
-        environment of the caller's) with its stdin attached, and return its stdin and
-        stdout as one stream.
-
-        Raises:
-            SandboxError: the process could not be started.
-        """
-
-
-class HostRouter(abc.ABC):
-    """Capability: ways for a process in the sandbox to reach a port on the host."""
-
-    @abc.abstractmethod
-    def host_routes(self) -> tuple[RouteKind, ...]:
-        """The route kinds this sandbox offers, best first (:mod:`runtimes.routes`)."""
-
-    @abc.abstractmethod
-    async def expose_host(self, port: int, via: RouteKind) -> HostRoute:
-        """Make ``127.0.0.1:port`` on the host reachable from the sandbox through ``via``.
-
-        Raises:
-            HostRouteError: the route cannot be made.
-        """
+    mode: Literal["mark", "all"] = "mark"
+    """``mark``: those that carry the sandbox's mark (or work under ``home``, or run as one
+    of ``users``; with :attr:`Backend.pid_namespace`, every process started after
+    :meth:`Backend.create`); ``all``: every process outside PID 1's session (a sandbox of
+    our own where every command is a session of its own, such as a container)."""
+    users: tuple[str, ...] = ()
+    """Accounts whose every process is the sandbox's (the policy's, the judges')."""
+    home: str | None = None
+    """A directory of the sandbox's own: a process working under it is the sandbox's."""
+    as_root: bool = False
+    """Run the sweep as ``uid 0`` (and by the channel's agent where it runs as root: it
+    forks nothing, so it works at the sandbox's process limit)."""
 
 
 def bookkeeping_request(

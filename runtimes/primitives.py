@@ -262,12 +262,13 @@ class Primitives(abc.ABC):
 
     async def _kill_orphans(self) -> None:
         """Retry the kills still owed; those that fail again stay owed (logged)."""
-        orphans, self._orphans = frozenset(self._orphans), set()
+        orphans = frozenset(self._orphans)
+        self._orphans.clear()  # in place: a backend may share the set (Backend.owed_kills)
         try:
             with anyio.CancelScope(shield=True):
                 await self._kill_orphan_groups(orphans)
         except SandboxError as exc:
-            self._orphans |= orphans
+            self._orphans.update(orphans)
             log.warning(
                 "%s: could not kill process groups %s: %s", self.describe(), sorted(orphans), exc
             )

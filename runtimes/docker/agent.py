@@ -8,17 +8,11 @@ import contextlib
 import posixpath
 import socket
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from ..channel import ChannelTransport, agent_command
-from ..channel.agent.wire import SweepHeader
+from ..channel import ChannelTransport
 from .client import ContainerRef, engine_call
 from .sdk_errors import refused
 from .stream import STREAM_CHUNK, GuardedSocket, Hijacked, hijack, take_frames
-
-if TYPE_CHECKING:
-    from ..channel import ChannelSupervisor
-    from ..channel.core import Channel
 
 
 class AgentStream(ChannelTransport):
@@ -141,9 +135,9 @@ def _protected_system_path(path: str) -> bool:
     return "/site-packages" not in path and "/dist-packages" not in path
 
 
-async def open_agent_stream(ref: ContainerRef, interpreter: str | None) -> AgentStream:
-    """Start the channel agent with stdin attached (as the sandbox's default user);
-    ``interpreter``: the absolute path pinned at the first start (no shell, no PATH).
+async def open_agent_stream(ref: ContainerRef, argv: list[str]) -> AgentStream:
+    """Start the channel agent (``argv``: :func:`runtimes.channel.agent_command`) with stdin
+    attached, as the sandbox's default user.
 
     Raises:
         SandboxUnavailableError: the container is gone.
@@ -154,7 +148,7 @@ async def open_agent_stream(ref: ContainerRef, interpreter: str | None) -> Agent
     def open_stream() -> Hijacked:
         created = api.exec_create(
             ref.id,
-            agent_command(interpreter),
+            argv,
             stdin=True,
             stdout=True,
             stderr=True,
@@ -177,27 +171,3 @@ def untrusted_python(changed: list[str]) -> str | None:
         if posixpath.basename(path).startswith("python"):
             return f"{path} changed in the container (python3 on PATH may not be the image's)"
     return None
-
-
-async def sweep_by_agent(supervisor: ChannelSupervisor | None, header: SweepHeader) -> int | None:
-    """How many processes the channel's agent killed sweeping as ``header`` says; ``None``
-    when no trusted root agent runs (one of another user could not signal the others'
-    processes) or the channel died meanwhile: the sweep script serves then.
-
-    Raises:
-        SandboxError: the agent's sweep failed.
-    """
-    if supervisor is None:
-        return None
-
-    async def by_agent(chan: Channel) -> int | None:
-        hello = chan.hello
-        if hello is None or hello.uid != 0:
-            return None
-        return await chan.sweep(header)
-
-    async def by_script() -> int | None:
-        return None
-
-    # The supervisor's routing of an idempotent call (restart, fallback, distrust).
-    return await supervisor.file_call(by_agent, by_script, "stop_processes", idempotent=True)

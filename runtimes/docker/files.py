@@ -1,9 +1,9 @@
 """Files in a Docker container through the Engine API's archive endpoints.
 
 ``get_archive`` / ``put_archive`` / a ``HEAD`` stat serve reads, writes, uploads and
-downloads when the sandbox's default user is root (with a non-root user the runtime goes
-through exec as that user instead, :func:`read_by_exec` and :func:`write_by_exec`, so
-permissions mean what they mean for its commands).
+downloads when the sandbox's default user is root (:mod:`.fastpath`; with a non-root user the
+runtime's generic path runs commands as that user instead, so permissions mean what they
+mean for its commands).
 A write uploads a temporary file next to the target, which one exec then renames over it.
 """
 
@@ -407,49 +407,9 @@ class ContainerArchive:
             _extract_tree(spool, top, local, skip_unsafe=skip_unsafe, links=links)
 
 
-# ---------------------------------------------------------------------- files as a non-root user
+# ---------------------------------------------------------------------- the rename after a write
 
-_SCRIPTS = "runtimes.docker.scripts"
-_READ_SCRIPT = load("read", _SCRIPTS)
-_WRITE_SCRIPT = load("write", _SCRIPTS)
-_REPLACE_SCRIPT = load("replace", _SCRIPTS)
-
-
-async def read_by_exec(run: RunOwn, path: str, limit: int) -> bytes:
-    """Read a file through exec, as the sandbox's default user.
-
-    Raises:
-        SandboxIsADirectoryError: ``path`` is a directory.
-        OutputLimitExceededError: the file is larger than ``limit``.
-        SandboxError: the read failed (typed from the shell's message).
-    """
-    request, sink = own_request(["sh", "-c", _READ_SCRIPT, "sh", path, str(limit)], limit=limit + 1)
-    code = await run(request, sink)
-    if code == 21:
-        raise SandboxIsADirectoryError(path)
-    if code == 27 or sink.overflowed:
-        raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
-    if code != 0:
-        raise shell_error(path, sink)
-    return bytes(sink.stdout)
-
-
-async def write_by_exec(run: RunOwn, path: str, data: bytes) -> None:
-    """Write a file through exec, as the sandbox's default user.
-
-    Raises:
-        SandboxIsADirectoryError: ``path`` is a directory.
-        SandboxNotADirectoryError: a parent is not a directory.
-        SandboxError: the write failed (typed from the shell's message).
-    """
-    request, sink = own_request(["sh", "-c", _WRITE_SCRIPT, "sh", path], stdin=data)
-    code = await run(request, sink)
-    if code == 21:
-        raise SandboxIsADirectoryError(path)
-    if code == 20:
-        raise SandboxNotADirectoryError(path, "a parent is not a directory")
-    if code != 0:
-        raise shell_error(path, sink)
+_REPLACE_SCRIPT = load("replace", "runtimes.docker.scripts")
 
 
 async def replace_by_exec(run: RunOwn, temp: str, target: str, shown: str) -> None:

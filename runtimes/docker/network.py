@@ -7,11 +7,9 @@ import socket
 from typing import TYPE_CHECKING
 
 from ..errors import HostRouteError
-from ..machinery import run_machinery
 from ..routes import RouteKind
 
 if TYPE_CHECKING:
-    from ..base import Runtime
     from .config import DockerConfig
 
 
@@ -52,24 +50,30 @@ def route_hint(config: DockerConfig) -> str:
     return "the channel route needs python3 in the image and channel=True"
 
 
-async def host_gateway(runtime: Runtime) -> str:
-    """The container's IPv4 default gateway (``/proc/net/route``), if it is an address of
-    this host (so a service can listen on it).
+ROUTE_TABLE = ["cat", "/proc/net/route"]
+"""The command that reads a container's routes (run as the machinery: ``cwd`` ``/``, the
+fixed ``PATH`` of :mod:`runtimes.machinery`)."""
+GATEWAY_TIMEOUT = 30.0
+"""Seconds :data:`ROUTE_TABLE` may take."""
+
+
+def host_gateway(table: str | None, where: str) -> str:
+    """The container's IPv4 default gateway, read from the text of its ``/proc/net/route``
+    (``None``: it could not be read), if it is an address of this host (so a service can
+    listen on it).
 
     Raises:
         HostRouteError: no default route, or the gateway is not this host's (a remote
             engine).
     """
-    table = await run_machinery(runtime, ["cat", "/proc/net/route"], timeout=30)
-    gateway = gateway_from_route_table(table.stdout) if table.exit_code == 0 else None
+    gateway = gateway_from_route_table(table) if table is not None else None
     if gateway is None:
         raise HostRouteError(
-            f"{runtime.describe()} has no default gateway: no gateway route to the host",
-            via="gateway",
+            f"{where} has no default gateway: no gateway route to the host", via="gateway"
         )
     if not is_local_address(gateway):
         raise HostRouteError(
-            f"{runtime.describe()} routes through {gateway}, which is not an address of this "
+            f"{where} routes through {gateway}, which is not an address of this "
             "host (a remote engine?): use the channel route",
             via="gateway",
         )

@@ -11,7 +11,7 @@ session and process-group leader, so the reported group is the command's own pid
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,13 +257,14 @@ def own_request(
     stdin: bytes | None = None,
     limit: int = 1 << 20,
     user: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[ExecRequest, OutputSink]:
     """A request for the runtime's own commands (cwd ``/``, so a deleted workdir cannot
-    break them), with its sink."""
+    break them; ``env`` over the container's), with its sink."""
     request = ExecRequest(
         argv=tuple(argv),
         cwd="/",
-        env={},
+        env=dict(env or {}),
         stdin=stdin,
         user=user,
         timeout=None,
@@ -375,9 +376,9 @@ async def kill_group(ref: ContainerRef, pgid: int) -> bool:
     return True
 
 
-async def kill_orphan_groups(ref: ContainerRef, mark: str, pgids: frozenset[int]) -> None:
-    """Kill the process groups earlier kills missed, if their leader still carries ``mark``
-    (a restarted container reuses pids).
+async def kill_orphan_groups(ref: ContainerRef, mark: str | None, pgids: Collection[int]) -> None:
+    """Kill these process groups as root; with ``mark``, only those whose leader still
+    carries it (a kill paid late: a restarted container reuses pids).
 
     Raises:
         SandboxError: the kill could not be delivered.

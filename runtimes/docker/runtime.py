@@ -1,10 +1,11 @@
-"""The ``docker`` runtime: one container per sandbox, driven through the Engine API.
+"""The ``docker`` backend: one container per sandbox, driven through the Engine API.
 
-Owned sandboxes: :meth:`DockerRuntime.start` creates a container from ``image`` with a
+Owned sandboxes: :meth:`DockerBackend.create` creates a container from ``image`` with a
 keep-alive command, vf-sandbox labels (:mod:`runtimes.ownership`), no network by default,
-``docker-init`` as PID 1 when the engine has it, and the workdir; ``close()`` removes it.
+``docker-init`` as PID 1 when the engine has it, and the workdir; ``destroy`` removes it.
 Attach mode (``container=``): commands and files go to a running container the caller
-owns; ``close()`` leaves it running and untouched.
+owns; ``close()`` sweeps what this runtime's commands left (by their mark) and leaves it
+running.
 
 Commands run through ``exec_create`` + a hijacked ``exec_start`` connection
 (:mod:`.stream`), with the 8-byte stream headers demultiplexed as output arrives and stdin
@@ -12,27 +13,39 @@ streamed then half-closed. Each command starts through the one exec wrapper
 (:mod:`.process`, :mod:`runtimes.wrapper`), which reports its PID, the command's process
 group: ``timeout=``, the output cap and cancellation kill the whole tree with a second exec
 (``kill -9 -PGID``). Images therefore need ``/bin/sh``. The channel (routing, fallback,
-restart) is the base's; this class supplies the agent's transport and the plain paths.
+restart) is the runtime's (:mod:`runtimes.composed`); this backend supplies the agent's
+stream and the engine's checks of it.
 
-Files go through the archive API (:mod:`.files`) when the sandbox's default user is root;
-with a non-root user they go through exec as that user, so permissions mean what they mean
-for the user's commands.
+Files go through the archive API (:mod:`.fastpath`) when the sandbox's default user is root;
+with a non-root user they go through the runtime's generic path as that user, so permissions
+mean what they mean for the user's commands.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping
-from pathlib import Path
+import logging
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._extract import Links
-from .._local_files import tar_directory
-from ..base import Runtime
-from ..channel import ChannelHooks, ChannelTransport
-from ..channel.agent.wire import SweepHeader
+from ..backend import (
+    Backend,
+    CreateRequest,
+    SweepScope,
+)
+from ..capabilities import (
+    AgentFilesCheck,
+    BlockingTeardown,
+    HostRouter,
+    MemoryKillProbe,
+    SandboxLister,
+    ShellOpener,
+    Snapshotter,
+    StreamSpawner,
+)
+from ..channel import ChannelTransport
+from ..composed import BackendRuntime
 from ..config import RuntimeConfig
 from ..errors import (
     ProvisioningError,
@@ -42,18 +55,12 @@ from ..errors import (
     SandboxUnavailableError,
 )
 from ..limits import creation_rate
+from ..machinery import machinery_env
 from ..models import ExecRequest, OutputSink, SandboxInfo
 from ..reaper import remove_in_background
 from ..routes import HostRoute, RouteKind
 from ..snapshot import SandboxSnapshot
-from ..sweep import MARK_VAR, sweep_argv
-from .agent import (
-    judge_untrusted,
-    open_agent_stream,
-    sweep_by_agent,
-    untrusted_change,
-    untrusted_python,
-)
+from .agent import judge_untrusted, open_agent_stream, untrusted_change, untrusted_python
 from .client import (
     ContainerRef,
     changed_paths,
@@ -76,8 +83,8 @@ from .container import (
     list_sandboxes,
     prepare_workdir,
 )
-from .files import ContainerArchive, read_by_exec, replace_by_exec, write_by_exec
-from .network import host_gateway, host_routes, route_hint
+from .fastpath import DockerFiles
+from .network import GATEWAY_TIMEOUT, ROUTE_TABLE, host_gateway, host_routes, route_hint
 from .oom import memory_kill_setting
 from .ports import engine_host, published_address
 from .process import (
@@ -99,16 +106,27 @@ from .snapshots import (
 if TYPE_CHECKING:
     import docker
 
+log = logging.getLogger("runtimes.docker")
 
-# ---------------------------------------------------------------------- the runtime
 
-
-class DockerRuntime(Runtime):
+class DockerBackend(
+    Backend,
+    DockerFiles,
+    StreamSpawner,
+    AgentFilesCheck,
+    SandboxLister,
+    Snapshotter,
+    ShellOpener,
+    MemoryKillProbe,
+    HostRouter,
+    BlockingTeardown,
+):
     """A Docker container as a sandbox (owned, or attached to a running one)."""
 
     name = "docker"
     config_model = DockerConfig
     keep_supported = True
+    destroy_ends_processes = True  # an owned container is removed; an attached one is swept
     snapshot_holds = "filesystem"
 
     def __init__(self, config: RuntimeConfig):
@@ -120,12 +138,12 @@ class DockerRuntime(Runtime):
         self._default_user: str | None = self.config.user
         self._files_as_root = True
         self._snapshot_lock = anyio.Lock()  # one commit at a time: each pauses the container
+        self._source: SandboxSnapshot | None = None
+        """The snapshot this sandbox was opened from (a fork), if any."""
         self._untrusted_image: str | None = None
         """Why the image (a snapshot's) may hold an interpreter that is not the original
         image's: the channel never runs it (see :mod:`.snapshots`)."""
         self._init_is_pid1 = False
-        self._halted = False
-        """close(): the root agent killed every process but itself and docker-init."""
 
     @property
     def sandbox_id(self) -> str | None:
@@ -134,49 +152,59 @@ class DockerRuntime(Runtime):
 
     @property
     def policy_user(self) -> str | None:
-        """``policy_user`` (``vf-policy`` by default) in a container this runtime created
+        """``policy_user`` (``vf-policy`` by default) in a container this backend created
         whose default user is root; ``None`` otherwise (an attached container is not ours to
         add accounts to; a non-root default user cannot become another)."""
         if not self._owned or not self.config.policy_user:
             return None
         return self.config.policy_user if is_root_user(self._default_user) else None
 
-    def _makes_accounts(self) -> bool:
+    def makes_accounts(self) -> bool:
         return not self.config.read_only  # a read-only /etc takes no new account
 
     @property
     def attached(self) -> bool:
-        """Whether this runtime borrows a container it did not create."""
+        """Whether this backend borrows a container it did not create."""
         return not self._owned
+
+    def route_hint(self) -> str:
+        return route_hint(self.config)
+
+    def check_request(self, request: ExecRequest) -> None:
+        """The sandbox's user is the ceiling (see :func:`.process.check_user_ceiling`).
+
+        Raises:
+            SandboxPermissionError: root asked for in a sandbox of another user.
+        """
+        check_user_ceiling(request, self._default_user)
+
+    def sweep_scope(self) -> SweepScope:
+        """In a container of our own, every process outside the keep-alive's session 1
+        (every exec is a session of its own: docker exec calls setsid), as root, however it
+        detached itself; in an attached one, what carries the mark (the container's own
+        processes are not ours)."""
+        return SweepScope(mode="all", as_root=True) if self._owned else SweepScope()
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _live_cap(self) -> int | None:
-        """A container this runtime creates takes a slot under ``max_live`` (process-wide)."""
+    def live_cap(self) -> int | None:
+        """A container this backend creates takes a slot under ``max_live`` (process-wide)."""
         return self.config.max_live if self._owned else None
 
-    async def _before_start(self) -> None:
+    async def prepare(self, request: CreateRequest) -> None:
         """Before creating, waits (cancellably) for the ``creations_per_second`` pace."""
         if self._owned:
             await creation_rate(self.name).wait(self.config.creations_per_second)
 
-    def keeps_sandbox(self) -> bool:
-        return not self._owned
+    async def create(self, request: CreateRequest) -> str:
+        """Create the container (or find the one to attach to), confirm it runs and prepare
+        its workdir.
 
-    def _channel_hooks(self) -> ChannelHooks:
-        return ChannelHooks(
-            open_transport=self._open_agent_stream,
-            kill_group=self._kill_group,
-            lost_means_dead=self._died_with_container,
-            probe_dead=self._stopped,
-            verify_agent=self._verify_agent_files,
-            verify_first=self._verify_attached_python,
-        )
-
-    def _channel_stall_timeout(self) -> float | None:
-        return self.config.api_timeout
-
-    async def _start(self) -> str:
+        Raises:
+            ProvisioningError: the engine cannot be reached, the image is missing, the
+                engine refused, or the container was not ready within ``start_timeout``.
+        """
+        self._source = request.snapshot
         try:
             self._client = await engine_call(
                 lambda: client_for(self.config), self.config, idempotent=True
@@ -185,21 +213,10 @@ class DockerRuntime(Runtime):
             raise ProvisioningError(f"cannot reach {engine_name(self.config)}: {exc}") from exc
         container = None
         if self._owned:
-            workdir, container = await self._create_container()
+            workdir, container = await self._create_container(request)
         else:
             workdir = await self._attach()
-        failures: list[Exception] = []
-        async with anyio.create_task_group() as tg:
-            # The channel's agent boots (tens of milliseconds) while the engine confirms
-            # that the container runs and the workdir is prepared.
-            tg.start_soon(self._start_channel)
-            try:
-                await self._confirm_ready(container, workdir)
-            except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
-                failures.append(exc)
-                tg.cancel_scope.cancel()
-        if failures:
-            raise failures[0]
+        await self._confirm_ready(container, workdir)
         return workdir
 
     async def _confirm_ready(self, container: Any, workdir: str) -> None:
@@ -219,17 +236,17 @@ class DockerRuntime(Runtime):
         except SandboxError as exc:
             raise ProvisioningError(f"{self.describe()} is not usable: {exc}") from exc
 
-    async def _create_container(self) -> tuple[str, Any]:
+    async def _create_container(self, request: CreateRequest) -> tuple[str, Any]:
         """Create and start the container (see :func:`.container.create_container`); return
         the workdir and the SDK's container (not yet confirmed running)."""
         client = self._require_client()
-        made = await creation_config(client, self.config, self._snapshot_source)
+        made = await creation_config(client, self.config, request.snapshot)
         self._untrusted_image = made.untrusted
         container, self._init_is_pid1 = await create_container(
             client,
             made,
             self.name,
-            fork=self._snapshot_source is not None,
+            fork=request.snapshot is not None,
             record=self._record_container,
         )
         self._default_user = made.config.user or made.image_user or None
@@ -254,32 +271,33 @@ class DockerRuntime(Runtime):
         if self._owned and not owner:
             return  # ready once it runs: the engine created the workdir (``working_dir``)
         need_dir = self._owned or self.config.workdir is not None
-        await prepare_workdir(self._run, workdir, owner, need_dir, self.describe())
+        await prepare_workdir(self.spawn, workdir, owner, need_dir, self.describe())
 
-    def _removes_container(self) -> bool:
-        """Whether close() removes the container: one this runtime created and does not keep."""
-        return self._owned and not self._keep and self._container_id is not None
+    def _removes_container(self, keep: bool) -> bool:
+        """Whether destroy removes the container: one this backend created and does not keep."""
+        owned = self._owned and self._container_id is not None and self._client is not None
+        return owned and not keep
 
-    async def _close_channel(self) -> None:
-        # Before the stream goes: the root agent kills everything but itself and
-        # docker-init (whose child, the keep-alive, dies with the rest: the container stops).
-        # Without docker-init, PID 1 is the keep-alive loop, which would start a new
-        # `sleep` from the sandbox's files: then close() removes the container itself.
-        if (
-            self._removes_container()
-            and self._init_is_pid1
-            and self._channel_supervisor is not None
-        ):
-            self._halted = await self._channel_supervisor.halt()
-        await super()._close_channel()
+    def agent_halts(self) -> bool:
+        """Before the stream goes, the root agent kills everything but itself and docker-init
+        (whose child, the keep-alive, dies with the rest: the container stops). Without
+        docker-init, PID 1 is the keep-alive loop, which would start a new ``sleep`` from the
+        sandbox's files: then destroy removes the container itself."""
+        return self._removes_container(keep=False) and self._init_is_pid1
 
-    async def _close(self) -> None:
+    async def destroy(self, *, keep: bool) -> None:
         """Remove the container: in the background (:mod:`runtimes.reaper`) when the root
-        agent killed every process of it (:meth:`_close_channel`), nothing of it running any
-        more; else here, on the caller's path (the engine kills and removes it)."""
-        if not (self._removes_container() and self._client is not None):
+        agent killed every process of it (:attr:`halted`), nothing of it running any more;
+        else here, on the caller's path (the engine kills and removes it). An attached or
+        kept container is left as it is.
+
+        Raises:
+            SandboxTransportError: the engine did not answer.
+            SandboxError: the engine refused to remove it.
+        """
+        if not self._removes_container(keep):
             return
-        if self._halted:
+        if self.halted:
             self._remove_in_background()
         else:
             await engine_call(self._remove_blocking, self.config, idempotent=True)
@@ -292,42 +310,70 @@ class DockerRuntime(Runtime):
     def _remove_blocking(self) -> None:
         remove_container_blocking(self._require_client().api, self._require_id(), self.describe())
 
-    def close_at_exit(self) -> None:
-        """atexit backstop: remove the container synchronously through the SDK."""
-        self._close_channel_now()
+    def destroy_now(self, *, keep: bool) -> None:
+        """The exit backstop: remove the container synchronously through the SDK (a failure
+        is logged: its labels leave it to ``vf-sandbox cleanup``)."""
+        if not self._removes_container(keep):
+            return
         try:
-            if self._removes_container() and self._client is not None:
-                self._remove_blocking()
-        finally:
-            self._mark_closed()
+            self._remove_blocking()
+        except SandboxError as exc:
+            log.warning("%s: could not remove it at exit: %s", self.describe(), exc)
 
-    def _host_routes(self) -> tuple[RouteKind, ...]:
+    # ------------------------------------------------------------------ host routes
+
+    def host_routes(self) -> tuple[RouteKind, ...]:
         return host_routes(self.config)
 
-    def _route_hint(self) -> str:
-        return route_hint(self.config)
+    async def host_bind_address(self, via: RouteKind) -> str:
+        """``127.0.0.1``, or for ``gateway`` the container's default gateway.
 
-    async def _host_bind_address(self, via: RouteKind) -> str:
-        return "127.0.0.1" if via != "gateway" else await host_gateway(self)
+        Raises:
+            HostRouteError: the gateway is missing or not this host's.
+        """
+        return "127.0.0.1" if via != "gateway" else await self._gateway()
 
-    async def _expose_host(self, port: int, via: RouteKind) -> HostRoute:
+    async def expose_host(self, port: int, via: RouteKind) -> HostRoute:
+        """The host's loopback as it is (``network="host"``), or the container's gateway.
+
+        Raises:
+            HostRouteError: the gateway is missing or not this host's.
+        """
         if via == "loopback":
             return HostRoute("loopback", "127.0.0.1", port)
-        return HostRoute("gateway", await host_gateway(self), port)
+        return HostRoute("gateway", await self._gateway(), port)
+
+    async def _gateway(self) -> str:
+        """The container's default gateway (:func:`.network.host_gateway`), from its
+        ``/proc/net/route`` read as the machinery (``/``, the fixed ``PATH``).
+
+        Raises:
+            HostRouteError: no default route, or not an address of this host.
+        """
+        request, sink = self._internal(ROUTE_TABLE)
+        code: int | None = None
+        with anyio.move_on_after(GATEWAY_TIMEOUT):
+            code = await self.spawn(request, sink)
+        table = bytes(sink.stdout).decode("utf-8", "replace") if code == 0 else None
+        return host_gateway(table, self.describe())
+
+    def _internal(self, argv: list[str]) -> tuple[ExecRequest, OutputSink]:
+        """A request for the backend's own command: ``cwd`` ``/`` and the machinery's
+        environment (:mod:`runtimes.machinery`), as the default user."""
+        return own_request(argv, env=machinery_env())
 
     async def host_port(self, port: int, protocol: str = "tcp") -> tuple[str, int]:
-        """``(host, port)`` where the engine published container ``port`` (config ``ports``).
+        """:meth:`DockerRuntime.host_port`.
 
         Raises:
             SandboxInvalidArgumentError: the port is not published.
-            SandboxUnavailableError: the sandbox is closed or its container is gone.
+            SandboxUnavailableError: the container is gone.
         """
-        self._check_open()
         info = await inspect_container(self._ref())
         where = engine_host(self.config.base_url)
         return published_address(info, port, protocol, self.describe(), where)
 
-    async def _alive(self) -> bool:
+    async def alive(self) -> bool:
         return await is_running(self._ref())
 
     def _require_client(self) -> docker.DockerClient:
@@ -349,86 +395,46 @@ class DockerRuntime(Runtime):
             self._default_user or "",
         )
 
-    async def stop_processes(self) -> int:
-        """Kill every process commands started that is still running; return how many.
-
-        In a container this runtime created, that is every process outside the
-        keep-alive's session, however it detached itself (``setsid``, ``env -i``). In an
-        attached container, only processes carrying this runtime's environment mark are
-        killed (the container's own processes are not ours). It works at the container's
-        process limit (``pids_limit``) while the channel's root agent runs: the agent sweeps
-        itself, forking nothing; without it the sweep is a script, which needs to fork.
-
-        Raises:
-            SandboxUnavailableError: the sandbox is closed, stopped or removed.
-            SandboxError: the sweep failed (with the script: it could not fork at the
-                process limit, say; its stderr attached).
-        """
-        if not self._owned:
-            return await super().stop_processes()
-        self._check_open()
-        # Every exec is a session of its own (docker exec calls setsid); the keep-alive and
-        # init are session 1. So in an owned container "every process not in session 1" is
-        # exactly what commands started, including daemons that double-forked or scrubbed
-        # their environment. The agent (a session leader, by docker exec) is spared.
-        mark = f"{MARK_VAR}={self._mark}"
-        with self._guard("stop_processes"):
-            killed = await self._sweep_by_agent(SweepHeader("all", mark))
-            if killed is not None:
-                return killed
-            agent = self._channel_agent_pid()
-            request, sink = own_request(sweep_argv("all", mark, keep=agent), user="0")
-            code = await self._run(request, sink)
-        return self._swept(code, sink)
-
-    async def _sweep_by_agent(self, header: SweepHeader) -> int | None:
-        """The channel agent's sweep (see :func:`.agent.sweep_by_agent`)."""
-        return await sweep_by_agent(self._supervisor, header)
-
     # ------------------------------------------------------------------ exec
 
-    def _check_request(self, request: ExecRequest) -> None:
-        """The sandbox's user is the ceiling (see :func:`.process.check_user_ceiling`)."""
-        check_user_ceiling(request, self._default_user)
-
-    async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
-        return await self._run(request, sink)
-
-    async def _memory_kill(self, since: float) -> str | None:
-        return await memory_kill_setting(self._ref(), since)
-
-    async def _run(self, request: ExecRequest, sink: OutputSink) -> int:
-        """Run a command (the runtime's own ones too, which may use root)."""
-        if self._orphans:
-            await self._kill_orphans()
+    async def spawn(self, request: ExecRequest, sink: OutputSink) -> int:
+        """Run a command (the runtime's own ones too, which may use root); a command this
+        call lost track of is owed a kill."""
         return await run_exec(
             self._ref(),
             request,
             sink,
             kill_group=self._kill_group,
-            died=self._died_with_container,
-            lost=self._remember_orphan,
+            died=self.lost_means_dead,
+            lost=self.owe_kill,
         )
+
+    async def memory_kill(self, since: float) -> str | None:
+        return await memory_kill_setting(self._ref(), since)
 
     async def _kill_group(self, pid: int | None) -> None:
         """Kill a command's process group (see :func:`.process.kill_group`); a kill that
-        could not be delivered is retried before the next command."""
+        could not be delivered is owed."""
         if pid is not None and not await kill_group(self._ref(), pid):
-            self._remember_orphan(pid)
+            self.owe_kill(pid)
 
-    async def _kill_orphan_groups(self, pgids: frozenset[int]) -> None:
-        """Kill the process groups earlier kills missed, if their leader still carries this
-        runtime's mark (a restarted container reuses pids).
+    async def kill_groups(self, pgids: Collection[int], *, mark: str | None) -> None:
+        """As root, outside the wrapper (see :func:`.process.kill_orphan_groups`).
 
         Raises:
             SandboxError: the kill could not be delivered.
         """
-        await kill_orphan_groups(self._ref(), f"{MARK_VAR}={self._mark}", pgids)
+        await kill_orphan_groups(self._ref(), mark, pgids)
 
-    async def _open_agent_stream(self, interpreter: str | None = None) -> ChannelTransport:
-        return await open_agent_stream(self._ref(), interpreter)
+    # ------------------------------------------------------------------ the channel
 
-    async def _verify_agent_files(self, digests: Mapping[str, bytes]) -> str | None:
+    def channel_stall_timeout(self) -> float | None:
+        return self.config.api_timeout
+
+    async def open_stream(self, argv: list[str]) -> ChannelTransport:
+        return await open_agent_stream(self._ref(), argv)
+
+    async def agent_files_changed(self, digests: Mapping[str, bytes]) -> str | None:
         """Before the channel agent restarts: the engine's own diff of the container against
         its image (no sandbox code runs) shows no change to the files the first agent ran
         from, to the dynamic loader's configuration, or to a shared library. The image is
@@ -440,8 +446,8 @@ class DockerRuntime(Runtime):
         judge shell (:func:`.agent.judge_untrusted`). Reads nothing in the sandbox."""
         return judge_untrusted(await changed_paths(self._ref()))
 
-    async def _verify_attached_python(self) -> str | None:
-        """Before the first agent starts in a container this runtime did not create
+    async def first_agent_untrusted(self) -> str | None:
+        """Before the first agent starts in a container this backend did not create
         (commands may have run there: a rollout's): no ``python*`` anywhere and no system
         library changed since the image (the engine's diff). A container of our own is new;
         a fork's image is a snapshot, checked when it was taken (:mod:`.snapshots`)."""
@@ -449,73 +455,17 @@ class DockerRuntime(Runtime):
             return self._untrusted_image
         return untrusted_python(await changed_paths(self._ref()))
 
-    async def _stopped(self) -> bool:
+    async def silence_means_dead(self) -> bool:
         return await is_stopped(self._ref())
 
-    async def _died_with_container(self) -> bool:
-        """After a command died of SIGKILL: was that the container going down? (See
-        :func:`.process.died_with_container`.)"""
-        return await died_with_container(self._run, self._alive, self.describe())
-
-    # ------------------------------------------------------------------ files
-
-    def _archive(self) -> ContainerArchive:
-        return ContainerArchive(self._ref())
-
-    async def _read(self, path: str, limit: int) -> bytes:
-        if not self._files_as_root:
-            return await read_by_exec(self._run, path, limit)
-        archive = self._archive()
-        return await engine_call(
-            lambda: archive.read_blocking(path, limit), self.config, idempotent=True
-        )
-
-    async def _write(self, path: str, data: bytes) -> None:
-        if not self._files_as_root:
-            await write_by_exec(self._run, path, data)
-            return
-        archive = self._archive()
-        temp, target = await engine_call(
-            lambda: archive.write_temp_blocking(path, data), self.config
-        )
-        await replace_by_exec(self._run, temp, target, path)
-
-    async def _exists(self, path: str) -> bool:
-        if not self._files_as_root:
-            return await super()._exists(path)
-        archive = self._archive()
-        return await engine_call(
-            lambda: archive.exists_blocking(path), self.config, idempotent=True
-        )
-
-    async def _upload(self, source: Path, remote: str) -> None:
-        if not self._files_as_root or await anyio.Path(source).is_file():
-            await super()._upload(source, remote)
-            return
-        tree = await anyio.to_thread.run_sync(
-            functools.partial(tar_directory, source, root_owned=True)
-        )
-        archive = self._archive()
-        await engine_call(lambda: archive.upload_tree_blocking(tree, remote), self.config)
-
-    async def _download(
-        self, remote: str, local: Path, *, skip_unsafe: bool = False, links: Links = "contained"
-    ) -> None:
-        if not self._files_as_root:
-            await super()._download(remote, local, skip_unsafe=skip_unsafe, links=links)
-            return
-        archive, limit = self._archive(), self.config.read_limit
-        await engine_call(
-            lambda: archive.download_blocking(remote, local, limit, skip_unsafe, links),
-            self.config,
-            idempotent=True,
-        )
-
-    # ------------------------------------------------------------------ files as a non-root user
+    async def lost_means_dead(self) -> bool:
+        """After a command died of SIGKILL, or the channel was lost: was that the container
+        going down? (See :func:`.process.died_with_container`.)"""
+        return await died_with_container(self.spawn, self.alive, self.describe())
 
     # ------------------------------------------------------------------ snapshots
 
-    def _check_fork_config(self) -> None:
+    def check_fork_config(self) -> None:
         """A fork is a container of our own, from the snapshot's image.
 
         Raises:
@@ -527,7 +477,7 @@ class DockerRuntime(Runtime):
                 f"container={self.config.container!r} from its config"
             )
 
-    async def _snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
+    async def snapshot(self, labels: dict[str, str]) -> SandboxSnapshot:
         """Commit the container to a labelled image, paused meanwhile (see :mod:`.snapshots`).
 
         Raises:
@@ -539,8 +489,8 @@ class DockerRuntime(Runtime):
         """
         check_snapshot_holds_the_workdir(self.config, self.describe())
         inherited = self._untrusted_image
-        if inherited is None and self._snapshot_source is not None:
-            inherited = self._snapshot_source.untrusted
+        if inherited is None and self._source is not None:
+            inherited = self._source.untrusted
         # With a policy account of its own for its whole life, nothing but the host's own
         # (root) commands could change the system files: no diff to read.
         check = not (self._owned and self.policy_user is not None)
@@ -550,7 +500,11 @@ class DockerRuntime(Runtime):
     @classmethod
     async def list_snapshots(cls, config: RuntimeConfig | None = None) -> list[SandboxSnapshot]:
         """Every image carrying the ``vf-sandbox.snapshot`` label on the engine (see
-        :func:`.snapshots.list_snapshots`)."""
+        :func:`.snapshots.list_snapshots`).
+
+        Raises:
+            SandboxTransportError: the engine did not answer.
+        """
         return await list_snapshots(as_docker_config(config))
 
     @classmethod
@@ -558,13 +512,17 @@ class DockerRuntime(Runtime):
         cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None = None
     ) -> None:
         """Remove a snapshot's image, gone already is fine (see
-        :func:`.snapshots.destroy_snapshot`)."""
+        :func:`.snapshots.destroy_snapshot`).
+
+        Raises:
+            SandboxInvalidArgumentError: the image is not a vf-sandbox snapshot.
+            SandboxError: a sandbox opened from it still uses it.
+        """
         await destroy_snapshot(snapshot, as_docker_config(config))
 
     @classmethod
-    def _destroy_snapshot_at_exit(
-        cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None
-    ) -> None:
+    def destroy_snapshot_now(cls, snapshot: SandboxSnapshot, config: RuntimeConfig | None) -> None:
+        """Through the SDK's blocking calls (no event loop at interpreter exit)."""
         destroy_snapshot_at_exit(snapshot, as_docker_config(config))
 
     # ------------------------------------------------------------------ sweeping
@@ -572,7 +530,11 @@ class DockerRuntime(Runtime):
     @classmethod
     async def list_sandboxes(cls, config: RuntimeConfig | None = None) -> list[SandboxInfo]:
         """Every container carrying the ``vf-sandbox.session`` label on the engine (see
-        :func:`.container.list_sandboxes`)."""
+        :func:`.container.list_sandboxes`).
+
+        Raises:
+            SandboxTransportError: the engine did not answer.
+        """
         return await list_sandboxes(as_docker_config(config), cls.name)
 
     @classmethod
@@ -593,5 +555,33 @@ class DockerRuntime(Runtime):
     @classmethod
     async def destroy_sandbox(cls, info: SandboxInfo, config: RuntimeConfig | None = None) -> None:
         """Force-remove one container :meth:`list_sandboxes` found, gone already is fine
-        (see :func:`.container.destroy_sandbox`)."""
+        (see :func:`.container.destroy_sandbox`).
+
+        Raises:
+            SandboxTransportError: the engine did not answer.
+            SandboxError: the engine refused to remove it.
+        """
         await destroy_sandbox(info, as_docker_config(config))
+
+
+class DockerRuntime(BackendRuntime):
+    """The runtime over :class:`DockerBackend` (``open_runtime({"type": "docker", ...})``):
+    a Docker container as a sandbox, owned or attached to a running one."""
+
+    backend_class = DockerBackend
+    backend: DockerBackend
+
+    @property
+    def attached(self) -> bool:
+        """Whether this runtime borrows a container it did not create."""
+        return self.backend.attached
+
+    async def host_port(self, port: int, protocol: str = "tcp") -> tuple[str, int]:
+        """``(host, port)`` where the engine published container ``port`` (config ``ports``).
+
+        Raises:
+            SandboxInvalidArgumentError: the port is not published.
+            SandboxUnavailableError: the sandbox is closed or its container is gone.
+        """
+        self._check_open()
+        return await self.backend.host_port(port, protocol)

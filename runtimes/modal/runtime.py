@@ -18,8 +18,10 @@ from tenacity import (
 
 from .. import limits, ownership
 from ..backend import (
-    BlockingTeardown,
     CreateRequest,
+)
+from ..capabilities import (
+    BlockingTeardown,
     FileFastPath,
     RemoveFastPath,
     SandboxLister,
@@ -98,10 +100,6 @@ class ModalBackend(
     destroy_ends_processes = True  # terminate ends the sandbox and everything in it
     pid_namespace = True  # the sandbox's own: every process newer than it is a command's
     snapshot_holds = "filesystem"
-    route_hint = (
-        "A Modal sandbox reaches the host only through the channel (python3 in the image, "
-        "channel=True); otherwise expose the service yourself (a tunnel) and pass its URL"
-    )
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
@@ -115,6 +113,12 @@ class ModalBackend(
         return self._sandbox_id
 
     # ------------------------------------------------------------------ lifecycle
+
+    def route_hint(self) -> str:
+        return (
+            "A Modal sandbox reaches the host only through the channel (python3 in the image, "
+            "channel=True); otherwise expose the service yourself (a tunnel) and pass its URL"
+        )
 
     def live_cap(self) -> int | None:
         return self.config.max_live

@@ -23,11 +23,13 @@ stdout (stderr noise before the wrapper's report is dropped). See ``docs/ssh.md`
 The package: :mod:`~runtimes.ssh.config` (the config model), :mod:`~runtimes.ssh.client`
 (connecting: host keys, credentials, the handshake), :mod:`~runtimes.ssh.connected`
 (connection upkeep: reconnects, retries, worker threads, forwards),
+:mod:`~runtimes.ssh.commands` (commands on exec channels, kills on control channels),
 :mod:`~runtimes.ssh.files` (SFTP), :mod:`~runtimes.ssh.process` (the wrapper's arguments and
 the stream pump), :mod:`~runtimes.ssh.control` with :mod:`~runtimes.ssh.scripts` (bookkeeping
 scripts), :mod:`~runtimes.ssh.forward` (bridging forwarded connections),
 :mod:`~runtimes.ssh.faults` (paramiko's exception table, applied at the boundary) and
-:mod:`~runtimes.ssh.runtime` (:class:`SSHRuntime`).
+:mod:`~runtimes.ssh.runtime` (:class:`SSHBackend`, and :class:`SSHRuntime` composed around
+it).
 """
 
 from __future__ import annotations
@@ -40,13 +42,14 @@ from .client import (
     UnknownHostKeyError,
 )
 from .config import SSHConfig
-from .runtime import SSHRuntime
+from .runtime import SSHBackend, SSHRuntime
 
 __all__ = [
     "HostKeyMismatchError",
     "HostKeyVerificationError",
     "HostUnreachableError",
     "SSHAuthenticationError",
+    "SSHBackend",
     "SSHConfig",
     "SSHRuntime",
     "UnknownHostKeyError",

@@ -1,4 +1,4 @@
-"""The base of :class:`~runtimes.ssh.SSHRuntime`: a runtime that keeps one SSH connection to its
+"""The base of :class:`~runtimes.ssh.SSHBackend`: a backend that keeps one SSH connection to its
 host. It reconnects when the connection dropped (re-requesting the reverse port forwards),
 retries idempotent calls a bounded number of times, and runs every blocking paramiko call
 (control scripts, SFTP, opening channels) in a worker thread under a capacity limiter."""
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from ..base import Runtime, State
+from ..backend import Backend
 from ..config import RuntimeConfig
 from ..errors import (
     ProvisioningError,
@@ -40,15 +40,19 @@ T = TypeVar("T")
 _RETRY_ATTEMPTS = 3
 
 
-class ConnectedRuntime(Runtime):
-    """A runtime on one SSH connection: reconnecting, retries, worker-thread calls, forwards."""
+class ConnectedBackend(Backend):
+    """A backend on one SSH connection: reconnecting, retries, worker-thread calls, forwards.
+
+    The connection opens with :meth:`_connect_first` (the subclass's ``create``) and is let
+    go for good by :meth:`_release_connection` (its ``destroy``): no call reconnects after.
+    """
 
     def __init__(self, config: RuntimeConfig):
         super().__init__(config)
         self.config: SSHConfig
         self._conn: Connection | None = None
         self._conn_released = False
-        """``close()`` let the connection go: no call may open another (it would leak)."""
+        """``destroy`` let the connection go: no call may open another (it would leak)."""
         self._accepted_keys: dict[str, bytes] = {}
         self._forwards: dict[int, Forward] = {}
         self._connect_lock: anyio.Lock | None = None
@@ -63,6 +67,28 @@ class ConnectedRuntime(Runtime):
         return Connection(connect(self.config, self._accepted_keys), self.config.io_timeout)
 
     # ------------------------------------------------------------------ connection
+
+    async def _connect_first(self) -> None:
+        """Open the connection (at ``create``), with the locks and slots its calls share.
+
+        Raises:
+            ProvisioningError: the host cannot be reached, refuses the credentials or its
+                host key.
+        """
+        self._connect_lock = anyio.Lock()
+        self._sftp_lock = anyio.Lock()
+        self._control_slots = anyio.Semaphore(2)
+        self._call_limiter = anyio.CapacityLimiter(self.config.max_channels)
+        self._conn = await self._thread(self._open_connection)
+
+    async def _release_connection(self) -> None:
+        """Let the connection go for good (at ``destroy``): a call in flight must not
+        reconnect now."""
+        self._conn_released = True
+        conn, self._conn = self._conn, None
+        self._forwards.clear()
+        if conn is not None:
+            await anyio.to_thread.run_sync(conn.close)
 
     async def _connection(self) -> Connection:
         """The live connection, reconnecting first when it dropped.
@@ -79,8 +105,7 @@ class ConnectedRuntime(Runtime):
             conn = self._conn
             if conn is not None and conn.usable():
                 return conn
-            closed = self._state not in (State.STARTING, State.OPEN, State.CLOSING)
-            if closed or self._conn_released:
+            if self._conn_released:
                 raise SandboxUnavailableError(f"{self.describe()} is closed")
             if conn is not None:
                 await anyio.to_thread.run_sync(conn.close)
@@ -93,7 +118,7 @@ class ConnectedRuntime(Runtime):
                 raise SandboxUnavailableError(
                     f"{self.describe()}: reconnecting failed: {exc}"
                 ) from exc
-            if self._released():  # close() let the connection go while this one opened
+            if self._released():  # destroy let the connection go while this one opened
                 await anyio.to_thread.run_sync(conn.close)
                 raise SandboxUnavailableError(f"{self.describe()} is closed")
             log.info("%s: reconnected", self.describe())
@@ -230,11 +255,11 @@ class ConnectedRuntime(Runtime):
             The remote port (chosen by the server when ``remote_port`` is 0).
 
         Raises:
+            SandboxInvalidArgumentError: a port out of range.
             SandboxError: the server refused the forward (``AllowTcpForwarding``, port in use).
             SandboxTransportError: the connection failed.
             SandboxUnavailableError: the sandbox is closed or its host is gone.
         """
-        self._check_open()
         if not 0 < local_port < 65536 or not 0 <= remote_port < 65536:
             raise SandboxInvalidArgumentError(
                 f"invalid ports: local {local_port}, remote {remote_port}"
@@ -246,12 +271,12 @@ class ConnectedRuntime(Runtime):
         return bound
 
     async def cancel_forward_remote(self, remote_port: int) -> None:
-        """Stop a forward made by :meth:`forward_remote`. Unknown ports are ignored.
+        """Stop a forward made by :meth:`forward_remote`. Unknown ports are ignored, and so is
+        every port once the connection was let go (its forwards went with it).
 
         Raises:
-            SandboxUnavailableError: the sandbox is closed.
+            SandboxTransportError: the connection failed.
         """
-        self._check_open()
         if self._forwards.pop(remote_port, None) is None:
             return
         conn = self._conn

@@ -99,8 +99,9 @@ def snapshot_script(workdir: str) -> ControlScript:
 def kill_script(pgids: Iterable[int], mark: str | None = None) -> ControlScript:
     """Kill process groups with the one kill (``runtimes/scripts/kill.sh``): each leader's pid
     first (the wrapper reports it before setsid() makes it a group), then the group; with
-    ``mark`` (the runtime's), only groups whose leader's environment still carries it."""
-    args = kill_args(pgids, mark=None if mark is None else f"{MARK_VAR}={mark}")
+    ``mark`` (the runtime's, ``NAME=value``), only groups whose leader's environment still
+    carries it."""
+    args = kill_args(pgids, mark=mark)
     return ControlScript("kill", tuple(args), package="runtimes.scripts")
 
 
@@ -201,7 +202,7 @@ def _parse_listing(out: bytes) -> list[SandboxInfo]:
 
 
 async def list_host_sandboxes(config: SSHConfig) -> list[SandboxInfo]:
-    """Sandbox directories on ``config``'s host (see :meth:`SSHRuntime.list_sandboxes`)."""
+    """Sandbox directories on ``config``'s host (see :meth:`SSHBackend.list_sandboxes`)."""
     code, out, err = await _one_shot(config, _list_script())
     if code != 0:
         raise SandboxTransportError(f"listing sandboxes on {config.destination} failed: {err!r}")
@@ -210,7 +211,7 @@ async def list_host_sandboxes(config: SSHConfig) -> list[SandboxInfo]:
 
 async def destroy_host_sandbox(info: SandboxInfo, config: SSHConfig) -> None:
     """Kill what still runs in a listed sandbox and remove its directory (see
-    :meth:`SSHRuntime.destroy_sandbox`)."""
+    :meth:`SSHBackend.destroy_sandbox`)."""
     if not valid_sandbox_dir(info.id):
         raise SandboxInvalidArgumentError(f"not an ssh sandbox directory: {info.id!r}")
     script = remove_script(info.id, directory_mark(info.id), f"{info.id}/work")
@@ -220,7 +221,7 @@ async def destroy_host_sandbox(info: SandboxInfo, config: SSHConfig) -> None:
 
 
 async def list_host_snapshots(config: SSHConfig) -> list[SandboxSnapshot]:
-    """Snapshot directories on ``config``'s host (see :meth:`SSHRuntime.list_snapshots`)."""
+    """Snapshot directories on ``config``'s host (see :meth:`SSHBackend.list_snapshots`)."""
     script = ControlScript("list", (_SNAPSHOT_PREFIX, _SNAPSHOT_META))
     code, out, err = await _one_shot(config, script)
     if code != 0:
@@ -243,7 +244,7 @@ def remove_snapshot_script(snapshot: SandboxSnapshot) -> ControlScript:
 
 
 async def destroy_host_snapshot(snapshot: SandboxSnapshot, config: SSHConfig) -> None:
-    """Remove a snapshot directory (see :meth:`SSHRuntime.destroy_snapshot`)."""
+    """Remove a snapshot directory (see :meth:`SSHBackend.destroy_snapshot`)."""
     code, _, err = await _one_shot(config, remove_snapshot_script(snapshot))
     if code != 0:
         raise SandboxTransportError(

@@ -22,7 +22,7 @@ import anyio.from_thread
 import anyio.to_thread
 
 from ..arguments import text_bytes
-from ..channel import BOOTSTRAP, PROBE, ChannelTransport
+from ..channel import ChannelTransport
 from ..errors import ProvisioningError
 from ..models import ExecRequest, OutputSink, StdinSource, Stream
 from ..resources import MIB
@@ -110,13 +110,11 @@ class AgentTransport(ChannelTransport):
         return self._channel.recv_stderr(4096).decode("utf-8", "replace").strip()[-500:]
 
 
-def agent_command_line(mark: str, interpreter: str | None = None) -> str:
-    """The agent's command for the login shell; the runtime's mark lets close() find it.
-    Later starts run the interpreter pinned at the first one, by absolute path."""
-    q = shlex.quote
-    if interpreter is not None:
-        return f"export {MARK_VAR}={q(mark)}; exec {q(interpreter)} -I -S -B -c {q(BOOTSTRAP)}"
-    return f"export {MARK_VAR}={q(mark)}; exec sh -c {q(PROBE)} sh {q(BOOTSTRAP)}"
+def agent_command_line(mark: str, argv: Sequence[str]) -> str:
+    """The agent's command for the login shell (``argv``:
+    :func:`runtimes.channel.bootstrap.agent_command`); the runtime's mark lets close() find
+    it."""
+    return f"export {MARK_VAR}={shlex.quote(mark)}; exec {shlex.join(argv)}"
 
 
 class RemoteCommand:

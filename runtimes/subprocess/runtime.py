@@ -17,8 +17,10 @@ import anyio.abc
 from .._extract import Links
 from ..backend import (
     Backend,
-    BlockingTeardown,
     CreateRequest,
+)
+from ..capabilities import (
+    BlockingTeardown,
     FileFastPath,
     HostRouter,
     ProcessSweeper,

@@ -182,7 +182,7 @@ async def test_mini_runs_in_the_ssh_host_without_a_reverse_forward(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from runtimes.ssh import SSHRuntime
+    from runtimes.ssh import SSHBackend
 
     assert image_present(), "vf-sandbox/sshd is missing: build it with `make images`"
     forwards: list[int] = []
@@ -191,7 +191,7 @@ async def test_mini_runs_in_the_ssh_host_without_a_reverse_forward(
         forwards.append(port)
         raise SandboxError("this test host allows no TCP forwarding")
 
-    monkeypatch.setattr(SSHRuntime, "forward_remote", no_forwarding)
+    monkeypatch.setattr(SSHBackend, "forward_remote", no_forwarding)
     with SSHServer(tmp_path / "sshd", volumes=venv_parts) as sshd:
         async with open_runtime(sshd.config()) as runtime:
             await completes_and_keeps_to_its_budget(runtime, scripted, routes_taken)

@@ -123,7 +123,7 @@ async def test_without_a_channel_a_network_less_container_has_no_route() -> None
 async def test_ssh_reaches_the_proxy_through_the_channel_without_forwarding(
     scripted: ScriptedFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from runtimes.ssh import SSHRuntime
+    from runtimes.ssh import SSHBackend
     from tests.ssh.sshd import SSHServer, image_present
 
     assert image_present(), "vf-sandbox/sshd is missing: build it with `make images`"
@@ -131,7 +131,7 @@ async def test_ssh_reaches_the_proxy_through_the_channel_without_forwarding(
     async def no_forwarding(self: Any, *args: Any, **kwargs: Any) -> int:
         raise SandboxError("this test host allows no TCP forwarding")
 
-    monkeypatch.setattr(SSHRuntime, "forward_remote", no_forwarding)
+    monkeypatch.setattr(SSHBackend, "forward_remote", no_forwarding)
     with SSHServer(tmp_path / "sshd") as sshd:
         async with open_runtime(sshd.config()) as runtime:
             assert runtime.host_routes() == ("channel", "forward")

@@ -28,6 +28,7 @@ CALLS = frozenset(
         "shell",  # Runtime.shell: a persistent bash
         "run_machinery",  # runtimes.machinery: the machinery's commands
         "_internal",  # a runtime's bookkeeping request (run by _routed_exec / _exec)
+        "bookkeeping_request",  # the same, built for a backend (runtimes.backend)
         "_run_as_machinery",  # the policy/judge account's creation
         "kill_as_root",  # Docker: a kill outside the wrapper
         "exec_create",  # Docker engine API
@@ -66,7 +67,9 @@ def sites_in(text: str, module: str) -> Iterator[tuple[str, str]]:
             if isinstance(child, ast.Call):
                 # a bound method handed to a helper that calls it: `_call(sandbox.exec, ...)`
                 handed = [a for a in child.args if isinstance(a, ast.Attribute) and _hit(a)]
-                if _hit(child.func) or handed:
+                # (``_internal`` only builds the request: its callers are the sites)
+                wrapper = bool(scope) and scope[-1] == "_internal"
+                if (_hit(child.func) or handed) and not wrapper:
                     yield module, ".".join(scope) or "<module>"
             yield from visit(child, scope)
 

@@ -75,7 +75,7 @@ class _Thief:
 
 def _kill_transport(rt: SSHRuntime, how: Kill) -> None:
     """Kill the live transport of ``rt`` underneath paramiko (blocking; run in a thread)."""
-    conn = rt._conn
+    conn = rt.backend._conn
     assert conn is not None and conn.usable()
     if how != "shutdown":
         # Output keeps arriving from the streaming exec: the next chunk loses its bytes.
@@ -180,7 +180,7 @@ async def test_a_closed_connection_ends_its_reader_thread(sshd: SSHServer) -> No
     """
     async with open_runtime(sshd.config()) as rt:
         assert isinstance(rt, SSHRuntime)
-        conn = rt._conn
+        conn = rt.backend._conn
         assert conn is not None
         transport = conn.transport
         assert transport.is_alive()
@@ -199,8 +199,8 @@ async def test_the_socket_is_closed_by_its_reader_thread_or_after_it(
     "Invalid packet blocking" there)."""
     async with open_runtime(sshd.config()) as rt:
         assert isinstance(rt, SSHRuntime)
-        assert rt._conn is not None
-        transport = rt._conn.transport
+        assert rt.backend._conn is not None
+        transport = rt.backend._conn.transport
         sock = transport.sock
         safe: list[bool] = []
         real_close = socket.socket.close
@@ -224,12 +224,12 @@ async def test_an_idle_connection_whose_server_answers_its_keepalives_stays_up(
     config = sshd.config(channel=False, keepalive_interval=1, keepalive_count_max=1)
     async with open_runtime(config) as rt:
         assert isinstance(rt, SSHRuntime)
-        conn = rt._conn
+        conn = rt.backend._conn
         assert conn is not None
         await anyio.sleep(4.5)
-        assert conn.transport.is_active() and rt._conn is conn
+        assert conn.transport.is_active() and rt.backend._conn is conn
         assert (await rt.exec(["echo", "ok"])).stdout == "ok\n"
-        assert rt._conn is conn
+        assert rt.backend._conn is conn
 
 
 async def test_a_control_command_left_unanswered_leaves_the_connection_to_its_calls(
@@ -248,7 +248,7 @@ async def test_a_control_command_left_unanswered_leaves_the_connection_to_its_ca
 
     async with open_runtime(sshd.config()) as rt:
         assert isinstance(rt, SSHRuntime)
-        conn = rt._conn
+        conn = rt.backend._conn
         assert conn is not None
         outcome: dict[str, object] = {}
 
@@ -267,12 +267,12 @@ async def test_a_control_command_left_unanswered_leaves_the_connection_to_its_ca
                 with monkeypatch.context() as patch:
                     patch.setattr(connected, "run_control", unanswered)
                     with pytest.raises(SandboxTransportError):
-                        await rt._control(kill_script([12345]), timeout=0.5)
+                        await rt.backend._control(kill_script([12345]), timeout=0.5)
                 assert await rt.exists("nothing-here") is False  # the next call
         result = outcome["exec"]
         assert not isinstance(result, BaseException), result
         assert result.stdout == "through\n"  # type: ignore[attr-defined]
-        assert rt._conn is conn and conn.usable()
+        assert rt.backend._conn is conn and conn.usable()
 
 
 async def test_an_sftp_call_cut_off_by_close_is_the_connections_failure(
@@ -291,7 +291,7 @@ async def test_an_sftp_call_cut_off_by_close_is_the_connections_failure(
     async with open_runtime(sshd.config(channel=False)) as rt:
         assert isinstance(rt, SSHRuntime)
         await rt.write("f", b"x")
-        conn = rt._conn
+        conn = rt.backend._conn
         assert conn is not None
         # The transport part of close() does nothing while the call runs.
         monkeypatch.setattr(conn.transport, "sock", types.SimpleNamespace(shutdown=id))
@@ -304,5 +304,5 @@ async def test_an_sftp_call_cut_off_by_close_is_the_connections_failure(
             return sftp.stat(path)  # type: ignore[attr-defined]
 
         with pytest.raises(SandboxTransportError, match="connection failed during sftp"):
-            await rt._sftp_call(read_as_close_begins, rt.resolve_path("f"))
+            await rt.backend._sftp_call(read_as_close_begins, rt.resolve_path("f"))
         monkeypatch.undo()
