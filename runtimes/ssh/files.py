@@ -119,7 +119,15 @@ def sftp_read(sftp: paramiko.SFTPClient, path: str, limit: int) -> bytes:
         with sftp.open(path, "rb") as fh:
             if size:
                 fh.prefetch(size)
-            return _read_to_limit(fh, limit)
+            data = _read_to_limit(fh, limit)
+            if len(data) < size:
+                # paramiko's read ends quietly at an EOFError, which is also what a
+                # connection that died under the read raises (the prefetch's requests
+                # answered, the next request unsent): a read shorter than the file was asks
+                # for the file again on the same connection, which raises if it is gone. A
+                # file that shrank meanwhile is read as it is now.
+                fh.stat()
+            return data
     except OSError as exc:
         if exc.errno is None or exc.errno in _FILE_ERRNOS:
             raise _diagnose(sftp, path, exc) from None
