@@ -8,17 +8,17 @@ and dead-sandbox probing all happen here, not in backends). A backend implements
 small ``_``-prefixed primitives, the *plain* paths that work without the channel, and
 never repeats that work.
 
-Writing a backend: subclass :class:`Runtime`, set ``config_model``, implement
-``_start``, ``_close``, ``_alive``, ``_exec``, ``_read`` and ``_write``. The defaults of
-``_exists``, ``_remove``, ``_upload`` and ``_download`` go through ``_exec`` with POSIX
-tools (``test``, ``rm``, ``tar``); override them where the transport does better. A
-backend that can run the channel's agent returns its :class:`ChannelHooks` from
-``_channel_hooks`` (the transport to run the agent over, and how to kill, probe and
-verify through the plain path) and calls ``_start_channel`` inside ``_start``. Then run
-the conformance suite (:mod:`runtimes.testing`) against it.
+Writing a backend: implement :class:`runtimes.Backend` (how to create, destroy, probe the
+sandbox and run one process in it with pipes) and declare what it does better as
+capabilities (:mod:`runtimes.capabilities`); :func:`runtimes.runtime_class` composes this
+class around it (:mod:`runtimes.composed`, ``docs/plugins.md``). Then run the conformance
+suite (:mod:`runtimes.testing`) against it. Subclassing :class:`Runtime` and filling in its
+``_``-prefixed hooks directly is the older seam: the registry still loads such a plugin,
+with a ``DeprecationWarning``.
 
-How the class is made: :class:`~runtimes.primitives.Primitives` holds every hook a backend
-fills in for the plain path and the channel routing in front of them;
+How the class is made: :class:`~runtimes.primitives.Primitives` holds the ``_``-prefixed
+hooks (which :class:`~runtimes.composed.BackendRuntime` fills in from its backend) for the
+plain path and the channel routing in front of them;
 :class:`~runtimes.guards.Guarded` the state and guards every operation checks; the
 operations come in mixins over those, one module each: files (:mod:`.files`), routes to
 the host (:mod:`.host_routes`), the policy's and judges' accounts (:mod:`.accounts`),

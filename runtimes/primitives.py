@@ -1,7 +1,8 @@
 """How a runtime's calls reach its sandbox: the backend's primitives, and the routing
 through the channel in front of them.
 
-:class:`Primitives` is the half of :class:`~runtimes.base.Runtime` a backend fills in. The
+:class:`Primitives` is the half of :class:`~runtimes.base.Runtime` that
+:class:`~runtimes.composed.BackendRuntime` fills in from its :class:`~runtimes.Backend`. The
 ``_``-prefixed primitives (``_exec``, ``_read``, ``_write``, ``_exists``, ``_remove``,
 ``_upload``, ``_download``) are the *plain* paths, which work without the channel. The
 ``_routed_*`` methods put the channel in front of them when the backend has one

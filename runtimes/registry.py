@@ -8,6 +8,7 @@ distribution that ships it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ from pydantic import ValidationError
 
 from .backend import Backend
 from .base import Runtime
-from .composed import runtime_class
+from .composed import BackendRuntime, runtime_class
 from .config import RuntimeConfig, RuntimeConfigError, config_error_from_validation
 from .errors import SandboxError
 from .plugins import Plugin, PluginGroup
@@ -57,8 +58,20 @@ def load_runtime_class(type_name: str) -> type[Runtime]:
         RuntimePluginError: the plugin raised on import or is neither a Runtime nor a
             :class:`~runtimes.backend.Backend` subclass (whose runtime is composed:
             :func:`~runtimes.composed.runtime_class`); the message names its distribution.
+
+    A plugin that subclasses :class:`Runtime` itself (the older seam) still loads, with a
+    :class:`DeprecationWarning`.
     """
-    return RUNTIMES.load(type_name)
+    loaded = RUNTIMES.load(type_name)
+    if not issubclass(loaded, BackendRuntime):
+        warnings.warn(
+            f"the {type_name!r} runtime plugin subclasses runtimes.Runtime and fills in its "
+            "private hooks: that seam is deprecated and goes in a later release; make it a "
+            "runtimes.Backend (docs/plugins.md)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    return loaded
 
 
 def resolve_runtime_config(config: RuntimeConfig | Mapping[str, Any] | str) -> RuntimeConfig:

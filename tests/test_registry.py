@@ -1,6 +1,8 @@
 """Configs and the plugin registry: resolution, validation errors, broken plugins."""
 
 import pathlib
+import warnings
+from importlib.metadata import EntryPoint
 
 import anyio
 import pytest
@@ -12,9 +14,13 @@ from runtimes import (
     UnknownRuntimeError,
     available_runtimes,
     open_runtime,
+    plugins,
     resolve_runtime_config,
     runtime_is_local,
 )
+from runtimes.base import Runtime
+from runtimes.models import ExecRequest, OutputSink
+from runtimes.registry import ENTRY_POINT_GROUP, RUNTIMES, load_runtime_class
 from runtimes.subprocess import SubprocessRuntime
 
 
@@ -100,3 +106,43 @@ def test_a_plugin_that_is_neither_a_runtime_nor_a_backend_is_refused_by_name(
         r"runtimes\.Backend subclass",
     ):
         load_runtime_class("stray")
+
+
+class OldStyleRuntime(Runtime):
+    """A plugin on the older seam: a Runtime subclass filling in the private hooks."""
+
+    name = "oldstyle"
+
+    async def _start(self) -> str:
+        return "/"
+
+    async def _close(self) -> None:
+        return None
+
+    async def _alive(self) -> bool:
+        return True
+
+    async def _exec(self, request: ExecRequest, sink: OutputSink) -> int:
+        return 0
+
+
+def test_a_runtime_subclass_plugin_still_loads_with_a_deprecation_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ours = EntryPoint("oldstyle", f"{__name__}:OldStyleRuntime", ENTRY_POINT_GROUP)
+    real = plugins.entry_points
+
+    def with_ours(*, group: str) -> list[EntryPoint]:
+        return [*real(group=group), ours] if group == ENTRY_POINT_GROUP else list(real(group=group))
+
+    monkeypatch.setattr(plugins, "entry_points", with_ours)
+    RUNTIMES.clear_cache()
+    try:
+        with pytest.warns(DeprecationWarning, match="make it a runtimes.Backend"):
+            assert load_runtime_class("oldstyle") is OldStyleRuntime
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the built-in backends are Backends: no warning
+            load_runtime_class("subprocess")
+            load_runtime_class("echo")
+    finally:
+        RUNTIMES.clear_cache()

@@ -457,14 +457,10 @@ class SSHRuntime(BackendRuntime):
     async def forward_remote(
         self, local_port: int, remote_port: int = 0, *, local_host: str = "127.0.0.1"
     ) -> int:
-        """Make ``127.0.0.1:<port>`` on the remote host reach ``local_host:local_port`` here.
-
-        A reverse (``ssh -R``) forward on this sandbox's connection, so a process in the
-        sandbox can reach a server on the host's loopback. It is re-established on
-        reconnect and ends with the runtime.
-
-        Returns:
-            The remote port (chosen by the server when ``remote_port`` is 0).
+        """Make ``127.0.0.1:<port>`` on the remote host reach ``local_host:local_port`` here:
+        a reverse (``ssh -R``) forward on this sandbox's connection, re-established on
+        reconnect, ending with the runtime (:meth:`ConnectedBackend.forward_remote
+        <runtimes.ssh.connected.ConnectedBackend.forward_remote>`); the remote port.
 
         Raises:
             SandboxInvalidArgumentError: a port out of range.
