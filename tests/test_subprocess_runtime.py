@@ -409,3 +409,32 @@ def test_a_group_number_that_now_leads_another_command_is_not_killed() -> None:
     finally:
         other.kill()
         other.wait()
+
+
+def _holding(path: Path) -> subprocess.Popen[bytes]:
+    """A child of this process, in a session of its own, holding ``path`` open."""
+    with path.open("rb") as fh:
+        return subprocess.Popen(["sleep", "60"], pass_fds=(fh.fileno(),), start_new_session=True)
+
+
+def test_the_hosts_other_children_are_never_swept_for_a_file_they_hold() -> None:
+    """A sweep takes what holds a file under the sandbox's directories, but not a child of
+    the host process for a file it holds: another sandbox's command, or a fork on its way
+    to ``exec`` that inherited the host's open files (a read of this sandbox in flight in
+    another task). The soak saw another sandbox's fresh ``printf`` die
+    with 137 after this sandbox's sweep froze it."""
+
+    async def body() -> None:
+        async with open_runtime("subprocess") as rt:
+            await rt.write("held.bin", b"x")
+            other = await anyio.to_thread.run_sync(_holding, Path(rt.workdir, "held.bin"))
+            try:
+                mine = await rt.spawn(["sleep", "60"])
+                assert await rt.stop_processes() >= 1
+                assert (await mine.wait(timeout=10)).exit_code == 137
+                assert other.poll() is None, "the sweep killed a child of the host it did not start"
+            finally:
+                other.kill()
+                other.wait()
+
+    anyio.run(body)

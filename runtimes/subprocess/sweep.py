@@ -34,6 +34,8 @@ class SweepTarget(ProcessSweep):
     of the leader each command was started as (the runtime's own dict, as it grows);
     ``since``: processes started before this (clock ticks since boot) are never the
     sandbox's. A process the sandbox started has its whole process group stopped at once.
+    A child of the host process (every sandbox's command, a fork on its way to ``exec``) is
+    never the sandbox's for a file it holds: it may be the host's file.
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class SweepTarget(ProcessSweep):
             sessions=sessions,
             dirs=dirs,
             groups=True,
+            spawner=os.getpid(),
         )
 
 

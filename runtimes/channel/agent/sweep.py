@@ -142,7 +142,8 @@ class ProcessSweep:
     one of ``dirs`` (real paths; in this process's mount namespace only). With ``groups``,
     a process the sandbox started has its whole process group stopped at once, so that a
     loop forking within its group is caught mid-fork. This process and its ancestors are
-    spared."""
+    spared. ``spawner``: the pid of the process that starts the sandbox's commands (the host,
+    for the subprocess backend): a child of it is never the sandbox's for a file it holds."""
 
     max_passes: int | None = None
     """A bound on the passes over /proc of one attempt (the deadline bounds them anyway)."""
@@ -160,6 +161,7 @@ class ProcessSweep:
         home: str = "",
         dirs: tuple[str, ...] = (),
         groups: bool = False,
+        spawner: int | None = None,
     ) -> None:
         self.since = since
         self.anything = anything
@@ -171,6 +173,7 @@ class ProcessSweep:
         self.home = home
         self.dirs = dirs
         self.groups = groups
+        self.spawner = spawner
 
     def sweep(self) -> tuple[int, list[int]]:
         """Freeze-then-kill every matching process; (how many were killed, the pids of those
@@ -315,6 +318,12 @@ class ProcessSweep:
             return DESCENDANT
         if self.owned_by_user(pid) or self.works_in_home(pid):
             return LOCATED
+        if st.ppid == self.spawner:
+            # The files a child of the process that starts the sandbox's commands holds are
+            # that process's: a fork not yet exec'd (another sandbox's command on its way)
+            # holds every file the spawner has open, this sandbox's among them (the soak saw
+            # another sandbox's fresh command die with 137).
+            return NOT_OURS
         return LOCATED if self.located_under(pid, own_mnt) else NOT_OURS
 
     def descends(self, pid: int, st: ProcStat) -> bool:
