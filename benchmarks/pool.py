@@ -212,6 +212,9 @@ async def pool_section(env: Environment) -> tuple[str, list[Row]]:
         "",
     ]
     left = await anyio.to_thread.run_sync(_left, env, ids)
+    from .recycling import recycle_table  # it builds on this module's loop
+
+    recycling = await recycle_table(env, total)
     counts = " and ".join(str(w) for w in options.pool_workers)
     text = (
         f"Warm pools on Docker (`{options.image}`, creation pacing off; `benchmarks.pool`). "
@@ -236,7 +239,7 @@ async def pool_section(env: Environment) -> tuple[str, list[Row]]:
         "fast as it refills, and every cycle still creates and removes one container, in the "
         "background instead of in the worker's loop: a pool hides the creation's latency, "
         "it adds no creation capacity to the engine. Containers of the pools left "
-        f"afterwards: {left}.\n\n" + table(headers, rows)
+        f"afterwards: {left}.\n\n" + table(headers, rows) + "\n\n" + recycling
     )
     return text, [latency, close_row]
 

@@ -26,6 +26,8 @@ Sections (each returns markdown):
   ``containers.run`` of the same container (``benchmarks.snapshots``).
 * warm pools — ``pool.acquire()`` on a warm Docker pool vs ``open_runtime(...).start()``, and
   the rate of (acquire, 10 execs, close) cycles through a pool vs without (``benchmarks.pool``).
+* the embedded default — the subprocess runtime's exec, files, ``close()`` and concurrent exec
+  throughput vs plain host calls and inspect_ai's local sandbox (``benchmarks.embedded``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ ALL_SECTIONS = (
     "fork",
     "pool",
     "scale",
+    "embedded",
 )
 
 
@@ -922,4 +925,8 @@ async def run(options: Options) -> tuple[list[tuple[str, str]], list[tuple[str, 
 
             counts = (8,) if options.quick_scale else DEFAULT_SCALE_COUNTS
             sections.append(("Idle sandboxes at scale", await scale_section(counts, options.image)))
+        if "embedded" in wanted:
+            from .embedded import embedded_section
+
+            sections.append(("The embedded default", (await embedded_section(env))[0]))
     return about, sections

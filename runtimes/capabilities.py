@@ -22,6 +22,8 @@ the capability's class: what its transport does better than the runtime's generi
 :class:`BlockingTeardown` a teardown without an event loop, for the exit backstop
 :class:`MemoryKillProbe`  after an exit 137, whether the sandbox's memory limit dealt it
 :class:`HostRouter`       ways for a process in the sandbox to reach a port on the host
+:class:`ResetProof`       a sandbox whose writable surface is fully known, so a reset back
+                          to its state after start can be proven (``RuntimePool(recycle=)``)
 ========================  ===============================================================
 """
 
@@ -52,6 +54,7 @@ __all__ = [
     "MemoryKillProbe",
     "ProcessSweeper",
     "RemoveFastPath",
+    "ResetProof",
     "SandboxLister",
     "ShellOpener",
     "Snapshotter",
@@ -400,3 +403,29 @@ class HostRouter(abc.ABC):
             HostRouteError: the route has no address on this host.
         """
         return "127.0.0.1"
+
+
+class ResetProof(abc.ABC):
+    """Capability: a sandbox whose writable surface is fully known (a read-only root file
+    system; the writable places made by the runtime; an unprivileged policy), so that
+    :mod:`runtimes.recycle` can return it to its state after start and prove it, for a
+    pool's next acquirer (``docs/pools.md``, Recycling)."""
+
+    @abc.abstractmethod
+    def recycle_refusal(self) -> str | None:
+        """Why this sandbox's config cannot be proven clean after use (a writable root file
+        system, a root policy, a writable mount, a network), or ``None``: it can."""
+
+    @abc.abstractmethod
+    def wiped_places(self) -> tuple[str, ...]:
+        """Every place in the sandbox anything but root can write, absolute paths: each
+        is emptied and given back its owner and mode at a reset."""
+
+    @abc.abstractmethod
+    async def outside_view(self) -> tuple[str, ...]:
+        """What the host sees of the sandbox's file system without running anything in it
+        (Docker: the engine's diff against the image), compared with the view after start.
+
+        Raises:
+            SandboxError: the view could not be read (the sandbox is not recycled then).
+        """

@@ -46,7 +46,9 @@ from .channel.bootstrap import agent_command
 from .config import RuntimeConfig
 from .errors import ProvisioningError, SandboxError
 from .models import ExecRequest, OutputSink, SandboxInfo
+from .processes import close_processes
 from .routes import HostRoute, RouteKind
+from .shell.session import close_sessions
 from .snapshot import SandboxSnapshot
 from .sweep import CLOCK_TICK_SCRIPT, MARK_VAR, sweep_argv
 
@@ -359,6 +361,23 @@ class BackendRuntime(Runtime):
         self._check_open()
         with self._guard("stop_processes"):
             return await self._sweep()
+
+    async def end_uses(self) -> int:
+        """End everything this runtime's users opened, leaving the sandbox up: shell
+        sessions, background runs, the channel's relays (routes to the host), then every
+        process left (:meth:`stop_processes`), whose count it returns. The first step of a
+        recycle (:mod:`runtimes.recycle`).
+
+        Raises:
+            SandboxUnavailableError: the runtime is not open, or the sandbox is gone.
+            SandboxError: as :meth:`stop_processes`.
+        """
+        self._check_open()
+        await close_sessions(self)
+        await close_processes(self)
+        if self._channel_supervisor is not None:
+            await self._channel_supervisor.close_relays()
+        return await self.stop_processes()
 
     # ------------------------------------------------------------------ capabilities
 

@@ -9,23 +9,14 @@ asks for is already there::
             await rt.exec(["true"])
         # closed here; a replacement is already being started in the background
 
-What a pool guarantees (``docs/pools.md`` has the whole contract):
-
-* A pooled sandbox serves exactly one acquirer and is closed when its block ends: it is
-  never put back, never handed out twice. A runtime handed to an acquirer that was
-  cancelled before it received it was never used, so it goes back to the stock.
-* At most ``max_create_concurrency`` creations are in flight; the pool keeps ``size``
-  ready (plus one per waiting acquirer). A failing creation is retried with bounded
-  backoff up to ``create_attempts`` times; then every acquirer waiting at that moment
-  gets :class:`~runtimes.errors.ProvisioningError` (the last attempt's error chained) and
-  the pool stops refilling until the next acquire, which tries again.
-* A sandbox that waited ready for longer than ``idle_timeout`` is closed, and the pool
-  does not replace it until it is used again: an unused pool shrinks to nothing.
-* Every pooled sandbox carries the config's labels plus :data:`POOL` (``vf-sandbox.pool``
-  = the pool's id) besides the usual session labels, so ``vf-sandbox cleanup`` sweeps
-  what a killed process left. Leaving the pool's block closes every ready sandbox and
-  cancels the creations in flight (``Runtime.start`` closes what a cancelled creation
-  made); sandboxes already acquired belong to their acquirers.
+What a pool guarantees (``docs/pools.md`` has the whole contract): a pooled sandbox serves
+one acquirer and is closed when its block ends, never handed out twice (with
+``recycle=True``, :mod:`runtimes.recycle`, it serves the next acquirer only once a reset
+proved it back to its state after start); creations are paced (:mod:`runtimes.pacing`),
+retried, and their last failure reaches every waiting acquirer as
+:class:`~runtimes.errors.ProvisioningError`; an idle pool shrinks to nothing; every pooled
+sandbox carries :data:`POOL` for ``vf-sandbox cleanup``; leaving the pool's block closes
+what is in stock and cancels the creations in flight.
 
 A pool lives in the event loop (and the task) that entered it; it is not thread-safe.
 """
@@ -36,7 +27,7 @@ import collections
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -45,16 +36,10 @@ from typing import Any, Self
 import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_random_exponential,
-)
+from tenacity import RetryCallState
 
 from .base import Runtime
-from .config import RuntimeConfig, RuntimeConfigError
+from .config import RuntimeConfig
 from .errors import (
     ProvisioningError,
     SandboxError,
@@ -64,7 +49,10 @@ from .errors import (
 )
 from .lifecycle import State, close_all
 from .ownership import LABEL_PREFIX
+from .pacing import CreationPacer, create_paced
+from .pool_checks import check_numbers, check_poolable, recycler_for
 from .pooled import open_pooled, pool_for
+from .recycle import DEFAULT_AUDIT_EVERY, Recycler
 from .registry import open_runtime, resolve_runtime_config
 
 __all__ = [
@@ -114,12 +102,6 @@ class _Ready:
     """``anyio.current_time()`` when it became ready."""
 
 
-def _worth_retrying(exc: BaseException) -> bool:
-    """Retry any failed creation but one that can never work (an invalid argument) and
-    cancellation."""
-    return isinstance(exc, Exception) and not isinstance(exc, SandboxInvalidArgumentError)
-
-
 class RuntimePool:
     """``size`` sandboxes of one config kept started, each handed to one acquirer.
 
@@ -129,12 +111,19 @@ class RuntimePool:
     Args:
         config: any runtime config (a model, a dict with ``type``, or a type name).
         size: how many sandboxes to keep ready (0: none; each acquire creates one).
-        max_create_concurrency: how many creations may be in flight at once.
+        max_create_concurrency: the ceiling of creations in flight at once; the pool backs
+            off below it on overload (:attr:`create_limit`, :mod:`runtimes.pacing`).
         idle_timeout: seconds a ready sandbox may wait before it is closed (``None``:
             never). Keep it below any lifetime the backend enforces itself (Modal's
             ``idle_timeout`` and ``timeout``).
         create_attempts: attempts per creation (the first included) before giving up.
         retry_backoff: ``(first, longest)`` seconds between attempts (random exponential).
+        recycle: reset a sandbox released by ``acquire()`` and hand it to the next acquirer
+            once the reset is proven (:mod:`runtimes.recycle`); else it is destroyed.
+        audit_every: with ``recycle``, every Nth reset of a sandbox also reads what the host
+            sees of it (Docker: the engine's diff).
+        prepare: run on every new sandbox before it is stocked (and before its baseline):
+            a task's files, say; a failure counts as a failed creation.
     """
 
     def __init__(
@@ -146,6 +135,9 @@ class RuntimePool:
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         create_attempts: int = DEFAULT_CREATE_ATTEMPTS,
         retry_backoff: tuple[float, float] = DEFAULT_RETRY_BACKOFF,
+        recycle: bool = False,
+        audit_every: int = DEFAULT_AUDIT_EVERY,
+        prepare: Callable[[Runtime], Awaitable[None]] | None = None,
     ):
         """Validate; nothing is created before ``async with``.
 
@@ -154,11 +146,16 @@ class RuntimePool:
                 config (as :func:`~runtimes.registry.resolve_runtime_config`), or one whose
                 sandboxes cannot be pooled: ``keep=True``, or a backend that borrows an
                 existing sandbox (Docker's ``container=``), which every acquirer would share.
+                With ``recycle=True``: a config whose sandboxes cannot be proven clean
+                after use (:func:`~runtimes.recycle.recycle_refusal` says why).
             SandboxInvalidArgumentError: a size, limit, timeout or backoff out of range.
         """
-        _check_numbers(size, max_create_concurrency, idle_timeout, create_attempts, retry_backoff)
+        check_numbers(size, max_create_concurrency, idle_timeout, create_attempts, retry_backoff)
         self.config = resolve_runtime_config(config)
-        _check_poolable(self.config)
+        check_poolable(self.config)
+        self._recycler = recycler_for(self.config, audit_every) if recycle else None
+        self._prepare = prepare
+        self._resetting = 0
         self.id = uuid.uuid4().hex[:16]
         self.size = size
         self.max_create_concurrency = max_create_concurrency
@@ -173,6 +170,7 @@ class RuntimePool:
         self._ready: collections.deque[_Ready] = collections.deque()
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self._creating = 0
+        self._pacer = CreationPacer(max_create_concurrency, retry_backoff)
         self._dormant = False
         """Refill only for waiting acquirers (not up to ``size``) until the next acquire:
         set when an idle sandbox expired or a creation failed for good."""
@@ -197,13 +195,30 @@ class RuntimePool:
 
     @property
     def creating(self) -> int:
-        """Creations in flight (never more than ``max_create_concurrency``)."""
+        """Creations in flight (never more than :attr:`create_limit` when each started)."""
         return self._creating
+
+    @property
+    def create_limit(self) -> int:
+        """Creations allowed in flight now: ``max_create_concurrency`` (the ceiling), halved
+        by each overload, one more per success (:class:`~runtimes.pacing.CreationPacer`)."""
+        return self._pacer.limit
 
     @property
     def waiting(self) -> int:
         """Acquirers waiting for a sandbox."""
         return len(self._waiters)
+
+    @property
+    def resetting(self) -> int:
+        """Released sandboxes being reset (``recycle=True``) before they are back in stock."""
+        return self._resetting
+
+    @property
+    def recycling(self) -> Recycler | None:
+        """With ``recycle=True``: the resets' counts and durations
+        (:class:`~runtimes.recycle.Recycler`); else ``None``."""
+        return self._recycler
 
     @property
     def handed_out(self) -> int:
@@ -307,7 +322,27 @@ class RuntimePool:
         try:
             yield runtime
         finally:
+            await self._release(runtime)
+
+    async def _release(self, runtime: Runtime) -> None:
+        """The end of an ``acquire()`` block: the sandbox is closed, or, recycling, reset
+        in the background and back in stock once proven clean (else destroyed)."""
+        recycler, group = self._recycler, self._group
+        usable = self._state == State.OPEN and not runtime.closed
+        if recycler is None or group is None or not usable or not recycler.knows(runtime):
             await runtime.close()
+            return
+        self._resetting += 1
+        group.start_soon(self._restore, recycler, runtime)
+
+    async def _restore(self, recycler: Recycler, runtime: Runtime) -> None:
+        try:
+            clean = await recycler.restore(runtime)  # destroys it when not clean
+        finally:
+            self._resetting -= 1
+        if clean:
+            self._deliver(runtime)
+        self._refill()
 
     async def take(self, *, timeout: float | None = None) -> Runtime:
         """A started sandbox that now belongs to the caller, who must close it (it is never
@@ -395,12 +430,13 @@ class RuntimePool:
 
     def _refill(self) -> None:
         """Start creations until ``size`` (none while dormant) plus one per waiting
-        acquirer are ready or in flight, never more than ``max_create_concurrency``."""
+        acquirer are ready or in flight, never more than :attr:`create_limit` (each
+        attempt also waits for the pacer: its limit and its cool-down)."""
         if self._state != State.OPEN or self._group is None:
             return
         wanted = len(self._waiters) + (0 if self._dormant else self.size)
-        missing = wanted - len(self._ready) - self._creating
-        room = self.max_create_concurrency - self._creating
+        missing = wanted - len(self._ready) - self._creating - self._resetting
+        room = self._pacer.limit - self._creating
         for _ in range(max(0, min(missing, room))):
             self._creating += 1
             self._group.start_soon(self._create_one)
@@ -422,29 +458,44 @@ class RuntimePool:
         self._refill()
 
     async def _start_with_retries(self) -> Runtime:
-        first, longest = self.retry_backoff
-        retrying = AsyncRetrying(
-            retry=retry_if_exception(_worth_retrying),
-            stop=stop_after_attempt(self.create_attempts),
-            wait=wait_random_exponential(multiplier=first, max=longest),
-            sleep=anyio.sleep,
-            before_sleep=self._log_retry,
-            reraise=True,
+        """A started runtime: each attempt admitted by the pacer, retried with backoff
+        (``Runtime.start`` closes what a failed or cancelled attempt made).
+
+        Raises:
+            Exception: the last attempt's error (or the first not worth retrying).
+        """
+        return await create_paced(
+            self._pacer,
+            self._open_one,
+            attempts=self.create_attempts,
+            backoff=self.retry_backoff,
+            before_retry=self._log_retry,
         )
-        async for attempt in retrying:
-            with attempt:
-                runtime = open_runtime(self._pooled_config)
-                await runtime.start()  # closes what it made if it fails or is cancelled
-                return runtime
-        raise AssertionError("unreachable: tenacity reraises")
+
+    async def _open_one(self) -> Runtime:
+        """One attempt: a started sandbox, prepared, its baseline recorded when recycling
+        (what the attempt made is closed if any of that fails)."""
+        runtime = await open_runtime(self._pooled_config).start()
+        try:
+            if self._prepare is not None:
+                await self._prepare(runtime)
+            if self._recycler is not None:
+                await self._recycler.admit(runtime)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await runtime.close()
+            raise
+        return runtime
 
     def _log_retry(self, state: RetryCallState) -> None:
         failure = state.outcome.exception() if state.outcome is not None else None
         log.info(
-            "%s: creating a sandbox failed (attempt %d of %d), retrying: %s",
+            "%s: creating a sandbox failed (attempt %d of %d), retrying (at most %d at "
+            "once now): %s",
             self._name(),
             state.attempt_number,
             self.create_attempts,
+            self._pacer.limit,
             failure,
         )
 
@@ -473,11 +524,12 @@ class RuntimePool:
             waiter.done.set()
         self._notify()
         log.warning(
-            "%s: could not create a sandbox in %d attempts (%s acquirers told): %s; "
-            "the pool tries again at the next acquire",
+            "%s: could not create a sandbox in %d attempts (%s acquirers told; at most %d "
+            "at once now): %s; the pool tries again at the next acquire",
             self._name(),
             self.create_attempts,
             len(waiters),
+            self._pacer.limit,
             failure,
         )
 
@@ -546,40 +598,3 @@ class RuntimePool:
 
     def _name(self) -> str:
         return f"{self.config.type} pool {self.id}"
-
-
-def _check_numbers(
-    size: int,
-    max_create_concurrency: int,
-    idle_timeout: float | None,
-    create_attempts: int,
-    retry_backoff: tuple[float, float],
-) -> None:
-    problems = []
-    if size < 0:
-        problems.append(f"size must be >= 0, got {size}")
-    if max_create_concurrency < 1:
-        problems.append(f"max_create_concurrency must be >= 1, got {max_create_concurrency}")
-    if idle_timeout is not None and not idle_timeout > 0:
-        problems.append(f"idle_timeout must be > 0 or None, got {idle_timeout}")
-    if create_attempts < 1:
-        problems.append(f"create_attempts must be >= 1, got {create_attempts}")
-    first, longest = retry_backoff
-    if not 0 <= first <= longest:
-        problems.append(
-            f"retry_backoff must be (first, longest), 0 <= first <= longest, got {retry_backoff}"
-        )
-    if problems:
-        raise SandboxInvalidArgumentError("; ".join(problems))
-
-
-def _check_poolable(config: RuntimeConfig) -> None:
-    if config.keep:
-        raise RuntimeConfigError(
-            "a pool closes the sandboxes it does not hand out: keep=True cannot be pooled"
-        )
-    if open_runtime(config).keeps_sandbox():  # an unstarted runtime: nothing is made
-        raise RuntimeConfigError(
-            f"this {config.type} config borrows one existing sandbox (attach mode): "
-            "every acquirer of a pool would share it"
-        )

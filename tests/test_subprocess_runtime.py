@@ -438,3 +438,68 @@ def test_the_hosts_other_children_are_never_swept_for_a_file_they_hold() -> None
                 other.wait()
 
     anyio.run(body)
+
+
+def _no_thread(*args: object, **kwargs: object) -> object:
+    raise AssertionError("handed to a worker thread")
+
+
+def test_small_file_calls_run_inline_and_large_ones_in_a_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small regular file is written and read in the event loop's thread (no thread
+    hand-off) while every mount is local; a larger one than the inline bounds, or any call
+    while a mount may wait (FUSE, NFS...), goes to a worker thread, with the same bytes."""
+    from runtimes.subprocess import mounts, runtime
+
+    async def body() -> None:
+        async with open_runtime("subprocess") as rt:
+            if not mounts.WATCH.all_local():
+                pytest.skip("this host mounts a filesystem that may wait: never inline")
+            with monkeypatch.context() as patched:
+                patched.setattr(runtime.anyio.to_thread, "run_sync", _no_thread)
+                await rt.write("small.bin", b"s" * 1024)
+                assert await rt.read("small.bin") == b"s" * 1024
+                assert await rt.exists("small.bin")
+            big = os.urandom(4096)
+            with monkeypatch.context() as patched:
+                patched.setattr(runtime, "INLINE_READ_BYTES", 1024)
+                patched.setattr(runtime, "INLINE_WRITE_BYTES", 1024)
+                await rt.write("big.bin", big)
+                assert await rt.read("big.bin") == big
+            with monkeypatch.context() as patched:
+                patched.setattr(mounts.WATCH, "all_local", lambda: False)
+                await rt.write("remote.bin", b"r" * 10)
+                assert await rt.read("remote.bin") == b"r" * 10
+                assert await rt.exists("remote.bin")
+
+    anyio.run(body)
+
+
+def test_reads_of_files_without_a_size_or_growing_are_whole() -> None:
+    """A file whose ``fstat`` size is 0 (``/proc``) is read to its end, in a worker
+    thread; the limit still holds for it."""
+    from runtimes import OutputLimitExceededError
+
+    async def body() -> None:
+        async with open_runtime("subprocess") as rt:
+            status = await rt.read("/proc/self/status")
+            assert status.startswith(b"Name:") and b"\nPid:" in status
+            with pytest.raises(OutputLimitExceededError):
+                await rt.read("/proc/self/status", max_bytes=10)
+            await rt.write("empty.bin", b"")
+            assert await rt.read("empty.bin") == b""
+
+    anyio.run(body)
+
+
+def test_the_mount_table_decides_what_is_local() -> None:
+    from runtimes.subprocess.mounts import all_local_types
+
+    local = b"22 1 254:0 / / rw,relatime - ext4 /dev/vda rw\n"
+    fuse = b"90 22 0:50 / /mnt/x rw,nosuid - fuse.sshfs host:/ rw,user_id=0\n"
+    nfs = b"91 22 0:51 / /mnt/y rw - nfs4 server:/ rw\n"
+    assert all_local_types(local)
+    assert not all_local_types(local + fuse)
+    assert not all_local_types(local + nfs)
+    assert not all_local_types(b"garbage\n")

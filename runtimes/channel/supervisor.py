@@ -373,6 +373,18 @@ class ChannelSupervisor:
         is restarted by :meth:`listen`)."""
         return self.enabled and not self._unsupported and not self._closed and not self._distrusted
 
+    async def close_relays(self) -> int:
+        """Close every relay listener of the running channel (the routes its users opened),
+        leaving the channel up; how many there were. Never raises."""
+        chan = self._channel
+        if chan is None:
+            return 0
+        with chan.relay.lock:
+            listeners = list(chan.relay.listeners.values())
+        for listener in listeners:
+            await listener.aclose()
+        return len(listeners)
+
     async def listen(self, target: tuple[str, int]) -> RelayListener:
         """A listener on the sandbox's loopback relayed to ``target`` on the host.
 

@@ -39,6 +39,7 @@ from ..capabilities import (
     BlockingTeardown,
     HostRouter,
     MemoryKillProbe,
+    ResetProof,
     SandboxLister,
     ShellOpener,
     Snapshotter,
@@ -95,6 +96,7 @@ from .process import (
     own_request,
     run_exec,
 )
+from .recycling import WIPED_PLACES, recycle_refusal
 from .snapshots import (
     check_snapshot_holds_the_workdir,
     commit_snapshot,
@@ -120,6 +122,7 @@ class DockerBackend(
     MemoryKillProbe,
     HostRouter,
     BlockingTeardown,
+    ResetProof,
 ):
     """A Docker container as a sandbox (owned, or attached to a running one)."""
 
@@ -440,6 +443,16 @@ class DockerBackend(
         from, to the dynamic loader's configuration, or to a shared library. The image is
         trusted; whatever a command changed in those places is not."""
         return untrusted_change(await changed_paths(self._ref()), digests)
+
+    def recycle_refusal(self) -> str | None:
+        return recycle_refusal(self.config)
+
+    def wiped_places(self) -> tuple[str, ...]:
+        return (self.config.workdir or DEFAULT_WORKDIR, *WIPED_PLACES)
+
+    async def outside_view(self) -> tuple[str, ...]:
+        """The engine's diff against the image (:func:`.client.changed_paths`)."""
+        return tuple(await changed_paths(self._ref()))
 
     async def system_tampered(self) -> str | None:
         """The engine's diff against the image: a changed loader preload/configuration or

@@ -18,13 +18,23 @@ from ..errors import (
     SandboxNotADirectoryError,
     error_for_errno,
 )
+from .config import READ_CHUNK
 
 log = logging.getLogger("runtimes.subprocess")
 
 
-def _open_regular(path: str, flags: int) -> int:
+def _open_regular(path: str, flags: int, *, local: bool = False) -> tuple[int, os.stat_result]:
     """Open a file without blocking on a FIFO or a socket (a read or write of one would
-    wait for a peer for ever, in a thread nobody can cancel); those are refused."""
+    wait for a peer for ever, in a thread nobody can cancel); those are refused. The fd and
+    its ``fstat``. ``local``: every mount is local (:mod:`.mounts`), where ``O_NONBLOCK``
+    means nothing to a regular file's reads and writes: it is left set (two ``fcntl`` calls
+    saved); anything else is made blocking again.
+
+    Raises:
+        OSError: the open failed.
+        SandboxIsADirectoryError: ``path`` is a directory.
+        SandboxInvalidArgumentError: ``path`` is a FIFO or a socket.
+    """
     try:
         fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0o666)
     except OSError as exc:
@@ -33,43 +43,143 @@ def _open_regular(path: str, flags: int) -> int:
                 f"{path!r} is a FIFO or a socket, not a file"
             ) from None
         raise
-    mode = os.fstat(fd).st_mode
-    if stat.S_ISDIR(mode):
+    try:
+        st = os.fstat(fd)
+        mode = st.st_mode
+        if stat.S_ISDIR(mode):
+            raise SandboxIsADirectoryError(path)
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            raise SandboxInvalidArgumentError(f"{path!r} is a FIFO or a socket, not a file")
+        if not (local and stat.S_ISREG(mode)):
+            os.set_blocking(fd, True)
+    except BaseException:
         os.close(fd)
-        raise SandboxIsADirectoryError(path)
-    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-        os.close(fd)
-        raise SandboxInvalidArgumentError(f"{path!r} is a FIFO or a socket, not a file")
-    os.set_blocking(fd, True)
-    return fd
+        raise
+    return fd, st
 
 
 def read_file(path: str, limit: int) -> bytes:
+    """The bytes of the file at ``path`` (at most ``limit`` + 1: more means over the limit).
+
+    Raises:
+        OutputLimitExceededError: the file is larger than ``limit``.
+        SandboxError: typed by errno (no such file, a directory, a FIFO...).
+    """
+    return read_opened(*open_for_read(path, limit))
+
+
+def open_for_read(path: str, limit: int, *, local: bool = False) -> tuple[int, int, bool, str, int]:
+    """Open ``path`` to read it: (fd, size, regular, path, limit) for :func:`read_opened`,
+    which closes the fd. Opening never waits (a FIFO or a socket is refused). ``local``:
+    as for :func:`_open_regular`.
+
+    Raises:
+        OutputLimitExceededError: the file is larger than ``limit`` (the fd is closed).
+        SandboxError: typed by errno.
+    """
     from ..errors import OutputLimitExceededError
 
     try:
-        with os.fdopen(_open_regular(path, os.O_RDONLY), "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size > limit:
-                raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
-            return fh.read(limit + 1)
+        fd, st = _open_regular(path, os.O_RDONLY, local=local)
+    except OSError as exc:
+        if isinstance(exc, SandboxError):
+            raise
+        raise error_for_errno(exc.errno, path, None) from None
+    if st.st_size > limit:
+        os.close(fd)
+        raise OutputLimitExceededError(f"read of {path!r}", limit, path=path)
+    return fd, st.st_size, stat.S_ISREG(st.st_mode), path, limit
+
+
+def read_opened(fd: int, size: int, regular: bool, path: str, limit: int) -> bytes:
+    """Read what :func:`open_for_read` opened (the fd is closed): one read of the size
+    ``fstat`` gave and one more that finds the end, as ``open().read()`` does; a file that
+    grew (or reports no size, as ``/proc`` files do) is read on, to at most ``limit`` + 1
+    bytes.
+
+    Raises:
+        SandboxError: the read failed (typed by errno).
+    """
+    try:
+        with os.fdopen(fd, "rb", buffering=0) as fh:
+            data = fh.read(min(size, limit) + 1)
+            if not data:
+                return b""
+            chunks, total, chunk = [data], len(data), READ_CHUNK
+            while total <= limit:
+                # A small read finds the end (a large one's buffer would cost more than
+                # the read); a file still growing is read in ever larger chunks.
+                more = fh.read(min(limit + 1 - total, chunk))
+                chunk = max(chunk, total)
+                if not more:
+                    break
+                chunks.append(more)
+                total += len(more)
+            return data if len(chunks) == 1 else b"".join(chunks)
+    except OSError as exc:
+        raise error_for_errno(exc.errno, path, None) from None
+
+
+def write_file(path: str, data: bytes) -> None:
+    """Write ``data`` to the file at ``path`` (created, parents too, or truncated).
+
+    Raises:
+        SandboxError: typed by errno (a directory, a parent that is a file, a FIFO...).
+    """
+    write_opened(open_for_write(path)[0], path, data)
+
+
+def open_for_write(path: str, *, local: bool = False) -> tuple[int, bool]:
+    """Open ``path`` for :func:`write_opened` (parents made, the file created or truncated):
+    (fd, whether it is a regular file). Opening never waits (a FIFO or a socket is
+    refused). The file is opened at once; only where that fails for a missing parent are
+    the parents made (and a parent that is a file named). ``local``: as for
+    :func:`_open_regular`.
+
+    Raises:
+        SandboxError: typed by errno (a directory, a parent that is a file...).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd, st = _open_regular(path, flags, local=local)
+        return fd, stat.S_ISREG(st.st_mode)
+    except OSError as exc:
+        if isinstance(exc, SandboxError):
+            raise
+        if exc.errno == errno.EISDIR:
+            raise SandboxIsADirectoryError(path) from None
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise error_for_errno(exc.errno, path, None) from None
+    try:
+        if os.path.isdir(path):
+            raise SandboxIsADirectoryError(path)
+        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+        fd, st = _open_regular(path, flags, local=local)
+        return fd, stat.S_ISREG(st.st_mode)
+    except FileExistsError as exc:  # a parent exists as a file: makedirs says EEXIST
+        raise error_for_errno(
+            errno.ENOTDIR, path, f"parent is not a directory: {exc.filename}"
+        ) from None
     except OSError as exc:
         if isinstance(exc, SandboxError):
             raise
         raise error_for_errno(exc.errno, path, None) from None
 
 
-def write_file(path: str, data: bytes) -> None:
+def write_opened(fd: int, path: str, data: bytes) -> None:
+    """Write all of ``data`` to what :func:`open_for_write` opened (the fd is closed).
+
+    Raises:
+        SandboxError: the write failed (typed by errno: no space...).
+    """
     try:
-        if os.path.isdir(path):
-            raise SandboxIsADirectoryError(path)
-        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
-        with os.fdopen(_open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as fh:
-            fh.write(data)
-    except FileExistsError as exc:  # a parent exists as a file: makedirs says EEXIST
-        raise error_for_errno(
-            errno.ENOTDIR, path, f"parent is not a directory: {exc.filename}"
-        ) from None
+        with os.fdopen(fd, "wb", buffering=0) as fh:
+            view = memoryview(data)
+            while view:
+                written = fh.write(view)
+                if written is None:  # a non-blocking descriptor that would block
+                    raise error_for_errno(errno.EAGAIN, path, None)
+                view = view[written:]
     except OSError as exc:
         if isinstance(exc, SandboxError):
             raise
@@ -263,6 +373,21 @@ def _unlink_at(
 
 def _open_dir_at(parent_fd: int, name: str) -> int:
     """A readable descriptor of the real directory ``name`` (never a link), made u+rwx."""
+    try:  # the common case, a directory already u+rwx: opened at once, never a link
+        fd = os.open(
+            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd
+        )
+    except PermissionError:
+        fd = -1
+    if fd >= 0:
+        try:
+            usable = stat.S_IMODE(os.fstat(fd).st_mode) & 0o700 == 0o700
+        except OSError:
+            os.close(fd)
+            raise
+        if usable:
+            return fd
+        os.close(fd)
     pinned = os.open(
         name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd
     )
@@ -285,7 +410,7 @@ def _remove_tree_at(parent_fd: int, name: str, shown: str, errors: list[str]) ->
         return
     device = os.fstat(top).st_dev
     # Frames: (descriptor, name in the parent, display path, entries not yet removed).
-    stack: list[tuple[int, str, str, list[str]]] = [(top, name, shown, _entries(top))]
+    stack: list[tuple[int, str, str, list[tuple[str, bool]]]] = [(top, name, shown, _entries(top))]
     while stack:
         fd, own_name, own_shown, pending = stack[-1]
         if not pending:
@@ -294,8 +419,10 @@ def _remove_tree_at(parent_fd: int, name: str, shown: str, errors: list[str]) ->
             parent = stack[-1][0] if stack else parent_fd
             _unlink_at(parent, own_name, own_shown, errors, directory=True)
             continue
-        entry = pending.pop()
+        entry, listed_dir = pending.pop()
         entry_shown = f"{own_shown}/{entry}"
+        if not listed_dir and _unlinked(fd, entry, entry_shown, errors):
+            continue  # not a directory when listed: unlinked without a stat
         try:
             st = os.lstat(entry, dir_fd=fd)
         except FileNotFoundError:
@@ -316,9 +443,28 @@ def _remove_tree_at(parent_fd: int, name: str, shown: str, errors: list[str]) ->
             stack.append((child, entry, entry_shown, _entries(child)))
 
 
-def _entries(fd: int) -> list[str]:
+def _entries(fd: int) -> list[tuple[str, bool]]:
+    """(name, whether it is a directory) of every entry, from the listing's own types (a
+    stat only where the filesystem gives none); links are not directories."""
     with os.scandir(fd) as it:
-        return [entry.name for entry in it]
+        return [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in it]
+
+
+def _unlinked(dir_fd: int, name: str, shown: str, errors: list[str]) -> bool:
+    """Unlink ``name`` of ``dir_fd``, listed as no directory: True when done (or gone
+    already, or noted in ``errors``), False when it is a directory now (replaced since it
+    was listed): the caller removes it as one."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        return False
+    except OSError as exc:
+        if exc.errno == errno.EPERM:  # some systems say EPERM for a directory
+            return False
+        errors.append(f"{shown}: {exc.strerror}")
+    return True
 
 
 # ---------------------------------------------------------------------- process sweep

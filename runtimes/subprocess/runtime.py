@@ -46,12 +46,17 @@ from .files import (
     CreatedDir,
     copy_local_tree,
     download_tree,
+    open_for_read,
+    open_for_write,
     prepare_workdir,
     read_file,
+    read_opened,
     remove_path,
     remove_sandbox_dir,
     write_file,
+    write_opened,
 )
+from .mounts import INLINE_READ_BYTES, INLINE_WRITE_BYTES, WATCH
 from .process import (
     HAS_EPOLL,
     EpollPump,
@@ -69,7 +74,9 @@ from .sweep import (
     SweepTarget,
     boot_ticks,
     destroy_dir,
+    forget_sessions,
     real_dirs,
+    record_session,
     scan_root,
     sweep_target,
 )
@@ -261,6 +268,7 @@ class SubprocessBackend(
                 log.warning(
                     "%s: processes still running after close(): %s", self.describe(), survivors
                 )
+            forget_sessions(self._sessions)
             self._sessions.clear()
         if self._created is not None:
             self._created.remove()
@@ -325,6 +333,8 @@ class SubprocessBackend(
             raise spawn_error(exc, request) from None
         exit_watch = ExitWatch(process)
         self._sessions[process.pid] = exit_watch.leader_start
+        if self._target is not None:
+            record_session(self._target.mark, process.pid, exit_watch.leader_start)
         sink.pid = process.pid
         assert process.stdout is not None and process.stderr is not None
         try:
@@ -362,14 +372,50 @@ class SubprocessBackend(
     # ------------------------------------------------------------------ files
 
     async def read(self, path: str, limit: int) -> bytes:
-        return await anyio.to_thread.run_sync(read_file, path, limit)
+        """The file's bytes (at most ``limit`` + 1). A regular file of up to
+        :data:`~.mounts.INLINE_READ_BYTES` is read in the event loop's thread while every
+        mount is local (:mod:`.mounts`); anything else in a worker thread.
+
+        Raises:
+            OutputLimitExceededError: the file is larger than ``limit``.
+            SandboxError: typed by errno (no such file, a directory, a FIFO...).
+        """
+        if not WATCH.all_local():
+            return await anyio.to_thread.run_sync(read_file, path, limit)
+        opened = open_for_read(path, limit, local=True)
+        _fd, size, regular, _path, _limit = opened
+        if regular and 0 < size <= INLINE_READ_BYTES:
+            return read_opened(*opened)
+        # The thread owns the fd from here: shielded, so that no cancellation before it
+        # runs leaves the fd open (a running thread cannot be cancelled anyway).
+        with anyio.CancelScope(shield=True):
+            data = await anyio.to_thread.run_sync(read_opened, *opened)
+        return data
 
     async def write(self, path: str, data: bytes) -> None:
-        await anyio.to_thread.run_sync(write_file, path, data)
+        """Write ``data`` (parents made). Up to :data:`~.mounts.INLINE_WRITE_BYTES` to a
+        regular file is written in the event loop's thread while every mount is local
+        (:mod:`.mounts`); anything else in a worker thread.
+
+        Raises:
+            SandboxError: typed by errno (a directory, a parent that is a file, a FIFO...).
+        """
+        if len(data) > INLINE_WRITE_BYTES or not WATCH.all_local():
+            await anyio.to_thread.run_sync(write_file, path, data)
+            return
+        fd, regular = open_for_write(path, local=True)
+        if regular:
+            write_opened(fd, path, data)
+            return
+        with anyio.CancelScope(shield=True):  # the thread owns the fd (see read)
+            await anyio.to_thread.run_sync(write_opened, fd, path, data)
 
     async def exists(self, path: str) -> bool:
         try:
-            await anyio.to_thread.run_sync(os.lstat, path)
+            if WATCH.all_local():
+                os.lstat(path)
+            else:
+                await anyio.to_thread.run_sync(os.lstat, path)
         except FileNotFoundError:
             return False
         except NotADirectoryError:

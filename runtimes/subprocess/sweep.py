@@ -24,6 +24,27 @@ SINCE_MARGIN_TICKS = 50
 """Clock ticks before the sandbox's creation from which a process may belong to it."""
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
+SESSIONS: dict[int, tuple[bytes, int]] = {}
+"""Session id -> (the mark item its commands carry, start of its leader) of every session a
+subprocess sandbox of this host process started, while that sandbox lives (a kept one's
+stay): what tells a session id another live sandbox reused from a forged mark
+(:meth:`~runtimes.channel.agent.sweep.ProcessSweep.descends`)."""
+
+
+def record_session(mark: bytes, sid: int, start: int) -> None:
+    """Note the session ``sid`` (its leader started at ``start``) as a sandbox's, whose
+    commands carry ``mark``."""
+    SESSIONS[sid] = (mark, start)
+
+
+def forget_sessions(sessions: dict[int, int]) -> None:
+    """Drop the records of ``sessions`` (session id -> leader start) of a sandbox that is
+    gone; a record another sandbox made since (the id reused) stays."""
+    for sid, start in sessions.items():
+        entry = SESSIONS.get(sid)
+        if entry is not None and entry[1] == start:
+            del SESSIONS[sid]
+
 
 class SweepTarget(ProcessSweep):
     """The sweep of one sandbox's processes on the host (the one freeze-then-kill sweep,
@@ -35,8 +56,14 @@ class SweepTarget(ProcessSweep):
     ``since``: processes started before this (clock ticks since boot) are never the
     sandbox's. A process the sandbox started has its whole process group stopped at once.
     A child of the host process (every sandbox's command, a fork on its way to ``exec``) is
-    never the sandbox's for a file it holds: it may be the host's file.
+    never the sandbox's for a file it holds: it may be the host's file. A process in one of
+    its sessions is the sandbox's whatever mark it carries, unless the session id was reused
+    by another live sandbox of this host process (:data:`SESSIONS`). Its passes are short
+    (:attr:`~runtimes.channel.agent.sweep.ProcessSweep.short_passes`): a sweep that finds
+    nothing is two passes over ``/proc``, the second the verifying scan.
     """
+
+    short_passes = True
 
     def __init__(
         self, mark: str | None, dirs: tuple[str, ...], sessions: dict[int, int], since: int
@@ -49,6 +76,7 @@ class SweepTarget(ProcessSweep):
             dirs=dirs,
             groups=True,
             spawner=os.getpid(),
+            recorded=SESSIONS,
         )
 
 

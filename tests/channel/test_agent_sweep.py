@@ -75,8 +75,9 @@ def test_the_host_sweep_selects_by_session_and_directory(
     sleeper: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
     """The subprocess backend's criteria: a session one of its commands started (not one
-    marked as another sandbox's), a process working in its directories; a process of
-    neither, or started before the sandbox, is spared."""
+    whose id was reused since by another sandbox's command, marked as that sandbox's), a
+    process working in its directories; a process of neither, or started before the
+    sandbox, is spared."""
     since = start_ticks(os.getpid())
     in_session = sleep(sleeper)
     in_dir = sleep(sleeper, cwd=tmp_path)
@@ -84,7 +85,10 @@ def test_the_host_sweep_selects_by_session_and_directory(
     marked_elsewhere = sleep(sleeper, env={**os.environ, MARK_VAR: "another-sandbox"})
     sessions = {
         in_session.pid: start_ticks(in_session.pid),
-        marked_elsewhere.pid: start_ticks(marked_elsewhere.pid),
+        # The id recorded from a session of the sandbox's that ended (its leader started at
+        # another time), reused since: a verified leader's session is the sandbox's
+        # whatever mark its processes carry (tests/security/test_subprocess_sweep_escape.py).
+        marked_elsewhere.pid: start_ticks(marked_elsewhere.pid) - 1,
     }
     target = SweepTarget(uuid.uuid4().hex, real_dirs(tmp_path), sessions, since)
     killed, survivors = sweep_target(target)

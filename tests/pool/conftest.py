@@ -8,13 +8,15 @@ never from timing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
 import pytest
 
 from runtimes.base import Runtime
+from runtimes.pool import POOL
+from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, require_docker_image
 from tests.modal.support import fake_modal, fake_service  # noqa: F401 - fixtures
 
 
@@ -68,3 +70,23 @@ class Starts:
         with anyio.fail_after(within):
             while not condition():  # noqa: ASYNC110 - the counters have no event to wait on
                 await anyio.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def docker_client() -> Iterator[Any]:
+    """The Docker SDK's client (the pools' test image built, else the test is skipped or
+    fails as ``require_docker_image`` says)."""
+    import docker
+
+    require_docker_image(DOCKER_TEST_IMAGE)
+    client = docker.from_env()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def pool_containers(client: Any, pool_id: str) -> list[Any]:
+    """Every container (running or not) labelled with the pool ``pool_id``."""
+    found: list[Any] = client.containers.list(all=True, filters={"label": f"{POOL}={pool_id}"})
+    return found

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,11 @@ from runtimes.cleanup import cleanup_sandboxes
 from runtimes.docker import DockerRuntime
 from runtimes.lifecycle import State
 from runtimes.pool import POOL, RuntimePool
-from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, require_docker_image
+from runtimes.pytest_plugin import DOCKER_TEST_IMAGE
 from runtimes.reaper import drain_removals
 from tests.processes import running_anywhere, sleep_token
 
-from .conftest import Starts
+from .conftest import Starts, pool_containers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.docker]
 
@@ -41,26 +40,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-def docker_client() -> Iterator[Any]:
-    import docker
-
-    require_docker_image(DOCKER_TEST_IMAGE)
-    client = docker.from_env()
-    try:
-        yield client
-    finally:
-        client.close()
-
-
 @pytest.fixture
 def starts(monkeypatch: pytest.MonkeyPatch) -> Starts:
     return Starts(monkeypatch, DockerRuntime)
-
-
-def pool_containers(client: Any, pool_id: str) -> list[Any]:
-    found: list[Any] = client.containers.list(all=True, filters={"label": f"{POOL}={pool_id}"})
-    return found
 
 
 async def test_acquire_hands_out_distinct_started_containers_removed_after_their_block(

@@ -49,6 +49,7 @@ ATTACKS = {
     19: "policy acts with more privilege than meant",
     20: "terminal control sequences in CLI output",
     21: "fuzzed host parsers of sandbox bytes",
+    22: "state left for the next user of a recycled sandbox",
 }
 
 

@@ -132,6 +132,16 @@ def wait_gone(processes: dict[int, int]) -> None:
             time.sleep(0.002)
 
 
+def prune_starts(listing: list[tuple[int, int]]) -> None:
+    """Forget the starts of processes gone since (``listing``: every process now), once
+    :data:`STARTS` holds many more than run."""
+    if len(STARTS) > 2 * len(listing) + 1024:
+        live = dict(listing)
+        for pid in list(STARTS):
+            if live.get(pid) != STARTS[pid][0]:
+                del STARTS[pid]
+
+
 class ProcessSweep:
     """One sweep. A process matches when it started at ``since`` (clock ticks since boot) or
     later, is in none of the ``spared`` sessions, and: with ``anything``, always; else when
@@ -143,10 +153,17 @@ class ProcessSweep:
     a process the sandbox started has its whole process group stopped at once, so that a
     loop forking within its group is caught mid-fork. This process and its ancestors are
     spared. ``spawner``: the pid of the process that starts the sandbox's commands (the host,
-    for the subprocess backend): a child of it is never the sandbox's for a file it holds."""
+    for the subprocess backend): a child of it is never the sandbox's for a file it holds.
+    ``recorded``: session id -> (mark item, leader start) of every session the sandboxes of
+    this host process started (shared by them, as it grows): what tells a session id reused
+    by another live sandbox from a forged mark (:meth:`descends`)."""
 
     max_passes: int | None = None
     """A bound on the passes over /proc of one attempt (the deadline bounds them anyway)."""
+    short_passes: bool = False
+    """The subprocess host sweep's: a selective sweep ends by ``anything``'s rule too (a
+    pass, not the first, that froze nothing and read every new process), and a whole pass
+    before anything is frozen is the verifying scan (:meth:`freeze`)."""
 
     def __init__(
         self,
@@ -162,6 +179,7 @@ class ProcessSweep:
         dirs: tuple[str, ...] = (),
         groups: bool = False,
         spawner: int | None = None,
+        recorded: dict[int, tuple[bytes, int]] | None = None,
     ) -> None:
         self.since = since
         self.anything = anything
@@ -174,6 +192,7 @@ class ProcessSweep:
         self.dirs = dirs
         self.groups = groups
         self.spawner = spawner
+        self.recorded = {} if recorded is None else recorded  # the caller's, as it grows
 
     def sweep(self) -> tuple[int, list[int]]:
         """Freeze-then-kill every matching process; (how many were killed, the pids of those
@@ -193,7 +212,10 @@ class ProcessSweep:
         denied: set[tuple[int, int]] = set()
         left: list[int] = []
         for _ in range(SWEEP_ATTEMPTS):
-            frozen = self.freeze(keep, keep_groups, denied, own_mnt)
+            frozen, verified = self.freeze(keep, keep_groups, denied, own_mnt)
+            if verified:  # its last pass was a whole scan that found nothing to freeze
+                left = []
+                break
             for pid, start in frozen.items():
                 if send_signal(pid, start, signal.SIGKILL) == SENT:
                     killed.add((pid, start))
@@ -211,13 +233,21 @@ class ProcessSweep:
         keep_groups: set[int],
         denied: set[tuple[int, int]],
         own_mnt: str | None,
-    ) -> dict[int, int]:
+    ) -> tuple[dict[int, int], bool]:
         """SIGSTOP every match, pass after pass, until the sweep may end (or the deadline);
-        pid -> start of those frozen. With ``anything`` (a sandbox of the backend's own) it
-        ends after a pass, not the first, that froze nothing and read every process new
-        since the pass before: one that forked and exited between two passes leaves its
-        child in the next listing. Beside a host's other processes, which come and go all
-        the time, it ends after ``QUIET_PASSES`` in a row that froze nothing."""
+        (pid -> start of those frozen, verified). With ``anything`` (a sandbox of the
+        backend's own) it ends after a pass, not the first, that froze nothing and read
+        every process new since the pass before: one that forked and exited between two
+        passes leaves its child in the next listing. Beside a host's other processes, which
+        come and go all the time, it ends after ``QUIET_PASSES`` in a row that froze
+        nothing; with ``short_passes``, or by ``anything``'s rule, whichever comes first.
+
+        With ``short_passes``, until something is frozen every pass judges every process
+        again (those a pass found not the sandbox's included), so a last pass that froze
+        nothing and read every new process is the verifying scan itself (``verified``:
+        nothing to kill, nothing to scan again). Once something is frozen, a process found
+        not the sandbox's is not looked at again until the verifying scan
+        (:meth:`matching`): a fork loop's passes stay short."""
         frozen: dict[int, int] = {}
         cleared: set[tuple[int, int]] = set()  # (pid, inode) not ours: not looked at again
         deadline = time.monotonic() + SWEEP_SECONDS
@@ -228,12 +258,13 @@ class ProcessSweep:
                 break
             passes += 1
             moving = unsure = False
+            whole = self.short_passes and not frozen and not denied
             listing = newest_first()
             before, listed = listed, {pid for pid, _inode in listing}
             # New processes first (a fork loop's live member is among them), newest first.
             fresh = [entry for entry in listing if entry[0] not in before]
             for pid, inode in fresh + [entry for entry in listing if entry[0] in before]:
-                if pid in keep or (pid, inode) in cleared:
+                if pid in keep or (not whole and (pid, inode) in cleared):
                     continue
                 st = self.fresh_stat(pid, inode)
                 if pid not in before and (st is None or st.state in ("Z", "X", "x")):
@@ -263,14 +294,16 @@ class ProcessSweep:
                 ):
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(st.pgid, signal.SIGSTOP)
-            if self.anything:
-                if passes > 1 and not moving and not unsure:
-                    break
-            else:
+            done = not moving and not unsure
+            if passes > 1 and done and (self.anything or self.short_passes):
+                prune_starts(listing)
+                return frozen, whole
+            if not self.anything:
                 quiet = 0 if moving else quiet + 1
                 if quiet >= QUIET_PASSES:
-                    break
-        return frozen
+                    prune_starts(listing)
+                    return frozen, whole and done
+        return frozen, False
 
     def matching(self, keep: set[int], own_mnt: str | None) -> dict[int, ProcStat]:
         """Every process that matches now (the verifying scan)."""
@@ -282,11 +315,7 @@ class ProcessSweep:
             st = self.fresh_stat(pid, inode)
             if st is not None and self.belongs(pid, st, own_mnt):
                 found[pid] = st
-        if len(STARTS) > 2 * len(listing) + 1024:
-            live = dict(listing)
-            for pid in list(STARTS):
-                if live.get(pid) != STARTS[pid][0]:
-                    del STARTS[pid]
+        prune_starts(listing)
         return found
 
     def fresh_stat(self, pid: int, inode: int) -> ProcStat | None:
@@ -328,19 +357,44 @@ class ProcessSweep:
 
     def descends(self, pid: int, st: ProcStat) -> bool:
         """Started by the sandbox: carries its mark, or is in a session one of its commands
-        started (unless that session id was reused since: its leader alive but not the
-        process started, or the process marked as another sandbox's)."""
+        started. Whatever mark a process carries, it is the sandbox's when its session's
+        leader is verified (alive, a zombie included, and started when the recorded one
+        did): a session holds only what its leader and its descendants started, so a mark
+        in it is forged (``env -i VF_SANDBOX_RUNTIME=other ...``). A leader alive but not
+        the one started means the session id was reused: not this sandbox's session (the
+        kernel frees a pid only once no process has it as session id, so the sandbox's
+        session had ended). With the leader gone, a process carrying another mark is
+        spared only when that mark's live sandbox recorded this session id since
+        (``recorded``: the sandboxes of this host process): the id was reused and the
+        other sandbox's session is what remains. Otherwise the other mark is forged and
+        the process is the sandbox's.
+
+        What remains: a session id reused by a sandbox of *another* host process (whose
+        records this process cannot see) is taken as this sandbox's when that session's
+        leader is gone and its processes carry the other process's mark: they are swept
+        (killed, never spared wrongly the other way round)."""
         if not self.mark and st.sid not in self.sessions:
             return False
-        marks = self.marks(pid)
-        if marks and self.mark and self.mark in marks:
-            return True
         start = self.sessions.get(st.sid)
-        if start is not None and not marks:
+        if start is not None:
             leader = process_stat(st.sid)
-            if leader is None or leader.start == start:
+            if leader is not None and leader.start == start:
                 return True
-        return False
+            if leader is None:
+                marks = self.marks(pid)
+                if not marks or (self.mark and self.mark in marks):
+                    return True
+                return not self.reused_by_another(st.sid, start, marks)
+        if not self.mark:
+            return False
+        marks = self.marks(pid)
+        return marks is not None and self.mark in marks
+
+    def reused_by_another(self, sid: int, start: int, marks: list[bytes]) -> bool:
+        """Whether another live sandbox of this host process recorded session ``sid`` (a
+        leader started at another time than ``start``) with one of ``marks``."""
+        other = self.recorded.get(sid)
+        return other is not None and other[1] != start and other[0] in marks
 
     def marks(self, pid: int) -> list[bytes] | None:
         """The items of the process's environment that name ``mark_var``."""
