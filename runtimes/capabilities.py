@@ -421,6 +421,13 @@ class ResetProof(abc.ABC):
         """Every place in the sandbox anything but root can write, absolute paths: each
         is emptied and given back its owner and mode at a reset."""
 
+    def watched_places(self) -> tuple[str, ...]:
+        """Places only root can write that are not on the read-only root (Docker: ``/dev``,
+        ``/sys/fs/cgroup``): the host's machinery runs as root, and so may what a judge
+        without an account of its own runs. Listed one level deep at each survey, never
+        emptied: anything new there keeps the sandbox from being recycled."""
+        return ()
+
     @abc.abstractmethod
     async def outside_view(self) -> tuple[str, ...]:
         """What the host sees of the sandbox's file system without running anything in it

@@ -303,8 +303,8 @@ class RuntimePool:
 
     @asynccontextmanager
     async def acquire(self, *, timeout: float | None = None) -> AsyncIterator[Runtime]:
-        """A started sandbox of this pool's config for the block, closed when it ends
-        (never put back); a replacement starts in the background.
+        """A started sandbox of this pool's config for the block, closed when it ends (with
+        ``recycle=True``: reset, and back in stock once proven clean); a replacement starts.
 
         An empty pool makes the caller wait for the next ready sandbox (a creation is
         started if none is in flight for it).

@@ -78,6 +78,7 @@ class Survey(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     stray: list[tuple[int, str]]
+    watched: dict[str, list[tuple[str, int, int, int, int]]]
     ipc: dict[str, list[str]]
     net: dict[str, list[str]]
     mounts: list[str]
@@ -97,6 +98,16 @@ class Survey(BaseModel):
         for table in sorted(set(self.net) | set(other.net)):
             if self.net.get(table) != other.net.get(table):
                 found.append(f"sockets ({table}): {self.net.get(table, [])[:3]}")
+        for place in sorted(set(self.watched) | set(other.watched)):
+            now_names = {e[0]: e for e in self.watched.get(place, [])}
+            then_names = {e[0]: e for e in other.watched.get(place, [])}
+            if now_names != then_names:
+                changed = sorted(
+                    n
+                    for n in set(now_names) | set(then_names)
+                    if now_names.get(n) != then_names.get(n)
+                )
+                found.append(f"{place} (root's): {changed[:3]}")
         if self.mounts != other.mounts:
             found.append(f"mounts: {sorted(set(self.mounts) ^ set(other.mounts))[:3]}")
         for place in sorted(set(self.places) | set(other.places)):
@@ -209,12 +220,13 @@ async def _probe(runtime: Runtime, mode: str, owners: dict[str, list[int]] | Non
         SandboxResetError: it failed or reported something malformed.
         SandboxError: the sandbox failed.
     """
-    assert isinstance(runtime, BackendRuntime)
-    places = list(runtime.backend.wiped_places()) if isinstance(runtime.backend, ResetProof) else []
+    proof = _proof(runtime)
+    places = proof.wiped_places()
     agent = runtime.channel_info.agent_pid or 0
     owners = owners or {place: [0, 0, 0] for place in places}
     argv = isolated_python("python3", "-c", PROBE, mode, str(agent), site=False)
     argv += [f"{place}={':'.join(str(n) for n in owners[place])}" for place in places]
+    argv += [f"+{place}" for place in proof.watched_places()]
     result = await run_machinery(
         runtime, argv, timeout=PROBE_TIMEOUT, output_limit=PROBE_OUTPUT_LIMIT
     )

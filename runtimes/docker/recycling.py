@@ -4,12 +4,18 @@ empty them all and prove it (``docs/pools.md``, Recycling)."""
 
 from __future__ import annotations
 
-from .config import DockerConfig, is_root_user
+from ..capabilities import ResetProof
+from .config import DEFAULT_WORKDIR, DockerConfig, is_root_user
 
 WIPED_PLACES = ("/tmp", "/dev/shm", "/dev/mqueue")
 """Beside the workdir, what an unprivileged process can write in a container with a
 read-only root file system: the ``/tmp`` volume, and the engine's ``/dev/shm`` (POSIX shared
 memory) and ``/dev/mqueue`` (POSIX message queues). ``/dev`` itself and the rest are root's."""
+
+
+WATCHED_PLACES = ("/dev", "/sys/fs/cgroup")
+"""The engine's tmpfs mounts only root can write (the root file system is read-only):
+watched, not emptied."""
 
 
 def recycle_refusal(config: DockerConfig) -> str | None:
@@ -43,3 +49,19 @@ def recycle_refusal(config: DockerConfig) -> str | None:
     if "no-new-privileges" not in config.security_opt:
         return "without no-new-privileges a set-uid program could make the policy root"
     return None
+
+
+class DockerResetProof(ResetProof):
+    """:class:`~runtimes.capabilities.ResetProof` for :class:`~.runtime.DockerBackend`,
+    which reads the engine's diff (``outside_view``)."""
+
+    config: DockerConfig
+
+    def recycle_refusal(self) -> str | None:
+        return recycle_refusal(self.config)
+
+    def wiped_places(self) -> tuple[str, ...]:
+        return (self.config.workdir or DEFAULT_WORKDIR, *WIPED_PLACES)
+
+    def watched_places(self) -> tuple[str, ...]:
+        return WATCHED_PLACES

@@ -39,7 +39,6 @@ from ..capabilities import (
     BlockingTeardown,
     HostRouter,
     MemoryKillProbe,
-    ResetProof,
     SandboxLister,
     ShellOpener,
     Snapshotter,
@@ -96,7 +95,7 @@ from .process import (
     own_request,
     run_exec,
 )
-from .recycling import WIPED_PLACES, recycle_refusal
+from .recycling import DockerResetProof
 from .snapshots import (
     check_snapshot_holds_the_workdir,
     commit_snapshot,
@@ -122,7 +121,7 @@ class DockerBackend(
     MemoryKillProbe,
     HostRouter,
     BlockingTeardown,
-    ResetProof,
+    DockerResetProof,
 ):
     """A Docker container as a sandbox (owned, or attached to a running one)."""
 
@@ -443,12 +442,6 @@ class DockerBackend(
         from, to the dynamic loader's configuration, or to a shared library. The image is
         trusted; whatever a command changed in those places is not."""
         return untrusted_change(await changed_paths(self._ref()), digests)
-
-    def recycle_refusal(self) -> str | None:
-        return recycle_refusal(self.config)
-
-    def wiped_places(self) -> tuple[str, ...]:
-        return (self.config.workdir or DEFAULT_WORKDIR, *WIPED_PLACES)
 
     async def outside_view(self) -> tuple[str, ...]:
         """The engine's diff against the image (:func:`.client.changed_paths`)."""

@@ -4,7 +4,8 @@ left that a next user could see. Python 3.8+, standard library only; never impor
 the host (it reads this file's text).
 
 ``argv``: ``survey`` or ``reset``, the channel agent's pid (its session is the runtime's
-own; 0: none), then ``PLACE=MODE:UID:GID`` for each writable place. ``reset`` empties every
+own; 0: none), then ``PLACE=MODE:UID:GID`` for each writable place and ``+PLACE`` for each
+place only root can write (listed one level deep, never emptied). ``reset`` empties every
 place (links removed, never followed), gives it back that owner and mode, removes its
 extended attributes and every System V IPC object (each as its owner), then surveys. The
 survey, one JSON object on stdout: ``stray`` (processes outside session 1, the agent's
@@ -205,13 +206,36 @@ def listing(place: str, errors: list[str]) -> tuple[list[list[object]], bool]:
     return sorted(entries, key=lambda e: str(e[0])), False
 
 
-def survey(places: list[str], agent: int, errors: list[str]) -> dict[str, object]:
+def top_level(place: str, errors: list[str]) -> list[list[object]]:
+    """The entries right under ``place`` (name, kind, mode, owner): a place only root can
+    write, which the reset watches but never empties."""
+    found: list[list[object]] = []
+    try:
+        names = sorted(os.listdir(place))
+    except OSError as exc:
+        errors.append(f"{place}: {exc}")
+        return found
+    for name in names:
+        try:
+            st = os.lstat(os.path.join(place, name))
+        except OSError:
+            continue  # gone meanwhile (a pty of a process that just died)
+        found.append(
+            [name, stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid]
+        )
+    return found
+
+
+def survey(
+    places: list[str], watched: list[str], agent: int, errors: list[str]
+) -> dict[str, object]:
     listed = {}
     truncated = False
     for place in places:
         listed[place], cut = listing(place, errors)
         truncated = truncated or cut
     return {
+        "watched": {place: top_level(place, errors) for place in watched},
         "stray": stray_processes(agent),
         "ipc": {kind: table_rows("/proc/sysvipc/" + kind) for kind in ("shm", "msg", "sem")},
         "net": sockets(),
@@ -309,10 +333,15 @@ def quote(text: str) -> str:
 
 
 def main() -> None:
-    """``argv``: the mode, the agent's pid, then one ``place=mode:uid:gid`` per place."""
+    """``argv``: the mode, the agent's pid, then one ``place=mode:uid:gid`` per place and
+    one ``+place`` per watched place."""
     mode, agent = sys.argv[1], int(sys.argv[2])
     owners: dict[str, list[int]] = {}
+    watched: list[str] = []
     for item in sys.argv[3:]:
+        if item.startswith("+"):
+            watched.append(item[1:])
+            continue
         place, _, fields = item.rpartition("=")
         owners[place] = [int(field) for field in fields.split(":")]
     errors: list[str] = []
@@ -320,7 +349,7 @@ def main() -> None:
         for place, owner in owners.items():
             empty(place, owner, errors)
         remove_ipc(errors)
-    sys.stdout.write(encode(survey(list(owners), agent, errors)))
+    sys.stdout.write(encode(survey(list(owners), watched, agent, errors)))
 
 
 if __name__ == "__main__":

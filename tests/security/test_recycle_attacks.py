@@ -270,3 +270,21 @@ async def test_a_judge_in_a_recycled_sandbox_keeps_its_verdict(
             assert re.search(r"writers=[1-9]", tool_output(runs[0], 0)), "control: no writer ran"
             assert runs[0].verdict == {"passed": False}, "the policy's writer forged the verdict"
             assert await forged(again) == []
+
+
+@pytest.mark.attack(22, 14)
+async def test_what_root_leaves_in_its_own_places_destroys_the_sandbox() -> None:
+    """A read-only config has no judges' account: a judge runs the policy's programs as the
+    sandbox's default user, root. What such a program leaves where only root can write
+    (``/dev``, ``/sys/fs/cgroup``: the engine's tmpfs, not on the read-only root) is not
+    something the reset empties: the sandbox is destroyed instead."""
+    async with recycled_pool() as pool:
+        async with pool.acquire() as rt:
+            assert rt.judge_user is None  # no account of its own: a judge runs as root
+            done = await rt.exec(["sh", "-c", "echo hint > /dev/.note && mkdir /sys/fs/cgroup/x"])
+            assert done.exit_code == 0, done.stderr
+        await released(pool, rt)
+        assert pool.recycling is not None and pool.recycling.discarded == 1
+        async with pool.acquire() as again:
+            assert again.sandbox_id != rt.sandbox_id
+            assert not await again.exists("/dev/.note")
