@@ -70,6 +70,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Options]:
         options.n_stream, options.n_shell, options.n_inspect = 20, 30, 10
         options.n_pool, options.pool_cycles = 5, 20
         options.quick_scale = True
+        options.n_ray_rollouts = 8
     for name in (
         "n_exec",
         "n_create",

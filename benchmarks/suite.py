@@ -28,6 +28,9 @@ Sections (each returns markdown):
   the rate of (acquire, 10 execs, close) cycles through a pool vs without (``benchmarks.pool``).
 * the embedded default — the subprocess runtime's exec, files, ``close()`` and concurrent exec
   throughput vs plain host calls and inspect_ai's local sandbox (``benchmarks.embedded``).
+* Ray — exec, files and create-to-ready through a ray sandbox on a worker node of a local
+  cluster vs the same runtime locally, and ``run_rollouts``' rate on 1-3 nodes
+  (``benchmarks.ray``; needs ray and root, else the section says why).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ ALL_SECTIONS = (
     "pool",
     "scale",
     "embedded",
+    "ray",
 )
 
 
@@ -101,6 +105,7 @@ class Options:
     n_pool: int = 30
     pool_cycles: int = 48
     pool_workers: tuple[int, ...] = (1, 4)
+    n_ray_rollouts: int = 24
     swerex_python: str | None = None
     ssh: bool = True
     modal_fake: bool = True
@@ -929,4 +934,8 @@ async def run(options: Options) -> tuple[list[tuple[str, str]], list[tuple[str, 
             from .embedded import embedded_section
 
             sections.append(("The embedded default", (await embedded_section(env))[0]))
+        if "ray" in wanted:
+            from .ray import ray_section
+
+            sections.append(("Ray", (await ray_section(env))[0]))
     return about, sections

@@ -86,6 +86,10 @@ class Runtime(FileOperations, HostRouting, Snapshotting, Keeping, Listing):
 
     name: ClassVar[str] = "runtime"
     config_model: ClassVar[type[RuntimeConfig]] = RuntimeConfig
+    forwards_host_side: ClassVar[bool] = False
+    """Whether the whole host side lives in another process that this class forwards every
+    call to (the ``ray`` runtime's actor on its node): such a runtime fills in the hooks
+    itself rather than composing a :class:`~runtimes.Backend`."""
 
     def __init__(self, config: RuntimeConfig):
         if not isinstance(config, self.config_model):

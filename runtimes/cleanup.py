@@ -54,11 +54,22 @@ async def list_target(
         SandboxError: the backend cannot be loaded or reached, or cannot list at all
             (:data:`NOT_LISTABLE`): never an empty list that would read as "nothing leaked".
     """
+    cls, config = target_class(target)
+    return cls, config, await cls.list_sandboxes(config)
+
+
+def target_class(target: str | RuntimeConfig) -> tuple[type[Runtime], RuntimeConfig | None]:
+    """The backend class of ``target`` (a type name or a config) and the config to list it
+    with (``None``: its default place).
+
+    Raises:
+        SandboxError: the backend cannot be loaded, or cannot list (:data:`NOT_LISTABLE`).
+    """
     config = None if isinstance(target, str) else target
     cls = load_runtime_class(target if isinstance(target, str) else target.type)
     if not lists_sandboxes(cls):
         raise SandboxError(NOT_LISTABLE)
-    return cls, config, await cls.list_sandboxes(config)
+    return cls, config
 
 
 def snapshot_info(snapshot: SandboxSnapshot) -> SandboxInfo:
@@ -78,6 +89,24 @@ class SweepResult:
     action: str  # "removed", "kept", "would remove", "failed"
     reason: str
     kind: Literal["sandbox", "snapshot"] = "sandbox"
+
+
+SelfSweep = Callable[[RuntimeConfig | None, "Sweep"], Awaitable[list[SweepResult]]]
+"""A backend's own sweep (see :func:`own_sweep`)."""
+
+
+def own_sweep(cls: type[Runtime]) -> SelfSweep | None:
+    """The sweep a backend runs itself, where its sandboxes live, or ``None`` (the others:
+    listed and judged here).
+
+    A backend whose sandboxes' creators are processes of other machines (the ``ray``
+    backend's are processes of its nodes) defines a classmethod ``sweep_sandboxes(config,
+    sweep)`` that applies ``sweep``'s rules (:meth:`Sweep.one`) there and returns the
+    results; one that raises :class:`SandboxError` is skipped like a backend that cannot be
+    listed.
+    """
+    hook: SelfSweep | None = getattr(cls, "sweep_sandboxes", None)
+    return hook
 
 
 def _should_sweep(
@@ -126,13 +155,19 @@ async def cleanup_sandboxes(
     targets = list(backends) if backends is not None else list(available_runtimes())
     for target in targets:
         resolved = target if isinstance(target, str) else resolve_runtime_config(target)
+        sweep = Sweep(all_sessions, older_than, dry_run, kept, match)
         try:
-            cls, config, found = await list_target(resolved)
+            cls, config = target_class(resolved)
+            itself = own_sweep(cls)
+            if itself is not None:
+                results += await itself(config, sweep)
+                found = []
+            else:
+                found = await cls.list_sandboxes(config)
         except SandboxError as exc:
             name = resolved if isinstance(resolved, str) else resolved.type
             log.warning("cleanup: skipping backend %s: %s", name, exc)
             continue
-        sweep = _Sweep(all_sessions, older_than, dry_run, kept, match)
         for info in found:
             results += await sweep.one(info, partial(cls.destroy_sandbox, info, config))
         if not snapshots:
@@ -187,14 +222,20 @@ async def _remove_snapshot(
 
 
 @dataclass(frozen=True)
-class _Sweep:
-    """The decision and the removal for one listed sandbox or snapshot."""
+class Sweep:
+    """The decision and the removal for one listed sandbox or snapshot: the rules of one
+    :func:`cleanup_sandboxes` call (a backend that sweeps itself, ``sweep_sandboxes``, gets
+    them to apply where its sandboxes live)."""
 
     all_sessions: bool
     older_than: float | None
     dry_run: bool
     kept: bool
     match: Mapping[str, str] | None
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        """Whether a sandbox with ``labels`` is in this sweep at all (``match``)."""
+        return not self.match or all(labels.get(k) == v for k, v in self.match.items())
 
     async def one(
         self,
@@ -203,7 +244,7 @@ class _Sweep:
         kind: Literal["sandbox", "snapshot"] = "sandbox",
     ) -> list[SweepResult]:
         labels = info.labels
-        if self.match and any(labels.get(key) != value for key, value in self.match.items()):
+        if not self.matches(labels):
             return []
         sweep, reason = _should_sweep(labels, self.all_sessions, self.older_than, self.kept)
         own = labels.get(ownership.CREATOR) == ownership.CREATOR_ID

@@ -63,7 +63,7 @@ def load_runtime_class(type_name: str) -> type[Runtime]:
     :class:`DeprecationWarning`.
     """
     loaded = RUNTIMES.load(type_name)
-    if not issubclass(loaded, BackendRuntime):
+    if not issubclass(loaded, BackendRuntime) and not loaded.forwards_host_side:
         warnings.warn(
             f"the {type_name!r} runtime plugin subclasses runtimes.Runtime and fills in its "
             "private hooks: that seam is deprecated and goes in a later release; make it a "

@@ -16,7 +16,8 @@ first) and makes one (:meth:`runtimes.base.Runtime.expose_host`). The routes:
     The sandbox's default gateway is this host (a Docker bridge): the service must listen on
     the gateway's address (:meth:`~runtimes.base.Runtime.plan_host_route` says which).
 ``forward``
-    A reverse port forward of the backend's connection (SSH ``-R``).
+    A reverse port forward of the backend's connection (SSH ``-R``; a ray sandbox: its node's
+    actor relays to the driver, ``docs/ray.md``).
 """
 
 from __future__ import annotations

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from runtimes import drain_removals_blocking
+
+if TYPE_CHECKING:
+    from tests.ray.cluster import LocalCluster
 
 
 @pytest.fixture(autouse=True)
@@ -42,3 +47,21 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"{rest:8.1f}s {100 * rest / total:5.1f}%  ({len(ranked) - 25} more)"
         )
     terminalreporter.write_line(f"{total:8.1f}s 100.0%  in all")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[LocalCluster]:
+    """A real 3-node Ray cluster (tests/ray/cluster.py: each worker node a network namespace
+    of its own, 4 ``vf_sandbox`` slots each) with this process connected as its driver. It
+    fails, never skips, where it cannot be built: CI runs as root with iproute2."""
+    from tests.ray.cluster import LocalCluster, require_root_and_ip
+
+    require_root_and_ip()
+    cluster = LocalCluster(workers=3, slots=4)
+    atexit.register(cluster.stop)  # a backstop where the session ends without teardown
+    try:
+        cluster.start()
+        cluster.connect()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -9,6 +9,8 @@ waiting for it and reports it as not answering; the thread is abandoned at exit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import signal
 import threading
 import time
@@ -47,8 +49,15 @@ async def probe_backend(target: Target, timeout: float) -> dict[str, Any]:
     """Start a sandbox and run ``true`` in it within ``timeout``; the outcome as a row.
 
     Never raises: a failure of any kind is the backend's row, so one broken plugin
-    cannot hide the others.
+    cannot hide the others. ``ray`` is :func:`probe_cluster`.
     """
+    if target_name(target) == "ray":
+        return await probe_cluster(target, timeout)
+    return await probe_sandbox(target, timeout)
+
+
+async def probe_sandbox(target: Target, timeout: float) -> dict[str, Any]:
+    """:func:`probe_backend` of any backend: a sandbox started, ``true`` run in it."""
     started = time.monotonic()
     try:
         with anyio.fail_after(timeout):
@@ -63,6 +72,38 @@ async def probe_backend(target: Target, timeout: float) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a plugin's own bug is reported in its row
         status, detail = "unavailable", f"plugin bug: {type(exc).__name__}: {exc}"
     return _row(target, status, detail, started)
+
+
+async def probe_cluster(target: Target, timeout: float) -> dict[str, Any]:
+    """The ``ray`` backend's row: its cluster's nodes (alive and dead, their addresses, their
+    free/total ``vf_sandbox`` slots) in ``detail`` and ``cluster``, after the usual probe
+    through it when the target names a sandbox's runtime. ``ok`` when that probe passed (or
+    there was none) and an alive node offers slots. Never raises.
+    """
+    from runtimes.ray.cluster import cluster_nodes, describe_nodes, where
+
+    started = time.monotonic()
+    fields = {} if isinstance(target, str) else target
+    row = await probe_sandbox(target, timeout) if "runtime" in fields else None
+    try:
+        with anyio.fail_after(timeout):
+            nodes = await cluster_nodes(fields or None)
+    except SandboxError as exc:
+        status, detail, report = "unavailable", f"{type(exc).__name__}: {exc}", None
+    except TimeoutError:
+        status, detail, report = "unavailable", f"no answer within {timeout:g}s", None
+    else:
+        serving = any(node.alive and node.slots_total > 0 for node in nodes)
+        status = "ok" if serving else "unavailable"
+        detail = describe_nodes(nodes) + ("" if serving else "; no alive node offers slots")
+        address = where(fields)[0] or os.environ.get("RAY_ADDRESS") or "auto"
+        report = {"address": address, "nodes": [dataclasses.asdict(n) for n in nodes]}
+    cluster_row = _row(target, status, detail, started)
+    if row is not None:
+        cluster_row["status"] = "ok" if row["status"] == status == "ok" else "unavailable"
+        cluster_row["detail"] = f"{row['detail']}; cluster: {detail}"
+    cluster_row["cluster"] = report
+    return cluster_row
 
 
 async def probe_until_stopped(

@@ -16,6 +16,8 @@ from runtimes.cleanup import (
     list_target,
     snapshot_info,
 )
+from runtimes.ray.cluster import NODE_ADDRESS
+from runtimes.ray.cluster import SESSION as RAY_SESSION
 
 from .commands import CommandFactory
 from .exec import run_interruptible
@@ -68,13 +70,16 @@ def _shown_id(result: SweepResult) -> str:
 
 def _listed(info: SandboxInfo) -> dict[str, Any]:
     dead = ownership.creator_is_dead(info.labels)
+    # A ray sandbox's creator is a process of its node, judged there (runtimes.ray.cluster).
+    session = info.labels.get(RAY_SESSION) or {True: "dead", False: "alive", None: "unknown"}[dead]
     return {
         "backend": info.backend,
         "id": info.id,
         "state": info.state,
         "created": info.created,
-        "session": {True: "dead", False: "alive", None: "unknown"}[dead],
+        "session": session,
         "kept": ownership.is_kept(info.labels),
+        "node": info.labels.get(NODE_ADDRESS),
         "labels": dict(info.labels),
     }
 
@@ -124,6 +129,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         [s["backend"], s["id"], s["state"], s["created"] or "", s["session"], _yes(s["kept"])]
         for s in found
     ]
+    if any(s["node"] for s in found):  # ray sandboxes: the node each lives on
+        headers.insert(2, "node")
+        for row, s in zip(rows, found, strict=True):
+            row.insert(2, s["node"] or "")
     if args.verbose:
         headers.append("labels")
         for row, s in zip(rows, found, strict=True):

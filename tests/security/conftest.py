@@ -50,6 +50,8 @@ ATTACKS = {
     20: "terminal control sequences in CLI output",
     21: "fuzzed host parsers of sandbox bytes",
     22: "state left for the next user of a recycled sandbox",
+    23: "cluster peers at the driver's model relay",
+    24: "a sandbox's code at the cluster's control plane",
 }
 
 

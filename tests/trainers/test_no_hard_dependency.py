@@ -1,15 +1,17 @@
 """``import runtimes, harnesses, placement`` (and the trainer modules that need only the core
-dependencies) imports none of the trainer extras: they stay optional."""
+dependencies, the ray runtime's package and the CLI's listing) imports none of the trainer or
+cluster extras: they stay optional."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-HEAVY = ("trl", "openenv", "torch", "transformers", "datasets")
+HEAVY = ("trl", "openenv", "torch", "transformers", "datasets", "ray")
 CODE = (
     "import runtimes, harnesses, placement, placement.trainers.tools, "
-    "placement.trainers.grading, placement.trainers.host, placement.trainers.generation; "
+    "placement.trainers.grading, placement.trainers.host, placement.trainers.generation, "
+    "runtimes.ray, runtimes.ray.cluster, runtimes.cli.sandboxes, runtimes.cli.doctor; "
     "import sys; "
     f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
 )
