@@ -8,6 +8,7 @@ the sandbox's own runtime: each call is one Ray actor call (:mod:`runtimes.ray.c
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import posixpath
@@ -178,7 +179,7 @@ class RayRuntime(Runtime):
         inner = {**self._inner_config}
         inner["labels"] = {**inner.get("labels", {}), **_driver_labels(ray)}
         self._actor = (
-            ray.remote(SandboxHost)
+            _host_class(ray)
             .options(**options)
             .remote(inner, inner_snapshot(source) if source is not None else None)
         )
@@ -442,6 +443,13 @@ class RayRuntime(Runtime):
             log.warning("%s left for vf-sandbox cleanup: Ray is gone at exit", snapshot.describe())
             return
         anyio.run(destroy_snapshot_on_node, snapshot, config)
+
+
+@functools.cache
+def _host_class(ray: ModuleType) -> Any:
+    """The actor class, made once per process (Ray exports a class's definition to the
+    cluster each time one is made)."""
+    return ray.remote(SandboxHost)
 
 
 def _driver_labels(ray: ModuleType) -> dict[str, str]:
