@@ -37,7 +37,7 @@ from .._extract import Links
 from .._local_files import tar_directory, untar_into
 from ..base import Runtime
 from ..channel.agent.wire import PathInfo
-from ..errors import OutputLimitExceededError, SandboxError, SandboxUnavailableError
+from ..errors import SandboxError, SandboxUnavailableError
 from ..models import Stream
 from ..portal import PortalThread, call_through
 from ..processes import BackgroundProcess
@@ -312,7 +312,8 @@ class SandboxHost:
     # ------------------------------------------------------------------ files
 
     def read(self, path: str, limit: int) -> bytes:
-        return self._on_loop(_read, self.runtime, path, limit)
+        """The file, once: one over ``limit`` raises the driver's own error here."""
+        return self._on_loop(self.runtime.read, path, max_bytes=limit)
 
     def write(self, path: str, data: bytes) -> None:
         self._on_loop(self.runtime.write, path, data)
@@ -409,11 +410,3 @@ async def _kill(command: Command) -> None:
     command.release()
     if command.process is not None:
         await command.process.kill()
-
-
-async def _read(runtime: Runtime, path: str, limit: int) -> bytes:
-    """Up to ``limit`` bytes and one more: the driver tells a file over the limit."""
-    try:
-        return await runtime.read(path, max_bytes=limit)
-    except OutputLimitExceededError:
-        return await runtime.read(path, max_bytes=limit + 1)
