@@ -433,7 +433,8 @@ class Runtime(FileOperations, HostRouting, Snapshotting, Keeping, Listing):
 
     async def stop_processes(self) -> int:
         """Kill every process this runtime's commands started that is still running;
-        return how many.
+        return how many. A process already dying (a timed-out command's, its ``SIGKILL``
+        sent but not yet run by a loaded machine) is waited for, not counted.
 
         Background processes a command left behind (``nohup server &``) are found by the
         ``VF_SANDBOX_RUNTIME`` mark in their environment, which every ``exec`` sets; backends

@@ -110,6 +110,21 @@ while [ "$pass" -lt 500 ]; do
   if [ "$mode" = mark ]; then [ "$quiet" -ge 3 ] && break
   else [ "$running" -eq 0 ] && [ "$unsure" -eq 0 ] && [ "$pass" -gt 1 ] && break; fi
 done
+# What was dying already (exiting, stat's flags; or a SIGKILL pending: a timed-out command's,
+# which the loaded machine has not yet run) is killed again but not counted.
 total=0
-for p in $seen; do kill -KILL "$p" 2>/dev/null && total=$((total + 1)); done
+for p in $seen; do
+  doomed=0
+  if { read -r s < "/proc/$p/stat"; } 2>/dev/null; then
+    set -f
+    # shellcheck disable=SC2086
+    set -- ${s##*) }
+    set +f
+    [ $(($7 & 4)) -eq 0 ] || doomed=1
+  fi
+  while read -r k v _; do
+    case $k in SigPnd: | ShdPnd:) [ $((0x$v & 256)) -eq 0 ] || doomed=1 ;; esac
+  done 2>/dev/null < "/proc/$p/status"
+  kill -KILL "$p" 2>/dev/null && [ "$doomed" = 0 ] && total=$((total + 1))
+done
 echo "$total"

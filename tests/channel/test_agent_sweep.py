@@ -5,7 +5,9 @@ may (Python 3.8, whose ``os`` has no ``pidfd_open``)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from runtimes.channel.agent import joined_source
+from runtimes.channel.agent import sweep as agent_sweep
+from runtimes.channel.agent.procs import dying, pending_signals
 from runtimes.channel.agent.sweep import ProcessSweep, Sweep
 from runtimes.channel.agent.wire import SweepHeader
 from runtimes.subprocess.sweep import SweepTarget, real_dirs, start_ticks, sweep_target
@@ -99,3 +103,43 @@ def test_the_host_sweep_selects_by_session_and_directory(
     later = SweepTarget(None, real_dirs(tmp_path), {}, start_ticks(early.pid) + 1)
     assert sweep_target(later) == (0, [])
     assert early.poll() is None
+
+
+def test_pending_signals_reads_what_a_process_has_not_yet_acted_on() -> None:
+    """What tells a process a kill already doomed: its pending signals, read from /proc
+    (here a SIGUSR1 it blocks, the one kind a test can hold pending)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"ready\n"
+        assert signal.SIGUSR1 not in pending_signals(holder.pid)
+        os.kill(holder.pid, signal.SIGUSR1)
+        assert signal.SIGUSR1 in pending_signals(holder.pid)
+        assert not dying(holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert pending_signals(holder.pid) == set() and not dying(holder.pid)
+
+
+def test_a_process_already_dying_is_killed_but_not_counted(
+    sleeper: list[subprocess.Popen[bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timed-out command's process whose SIGKILL the loaded machine has not yet run is
+    not one the sweep found running: ``stop_processes()`` after a timeout reports 0 (seen in
+    CI, 1 left). It is still killed and waited for."""
+    doomed = sleep(sleeper, cwd=tmp_path)
+    alive = sleep(sleeper, cwd=tmp_path)
+    monkeypatch.setattr(agent_sweep, "dying", lambda pid: pid == doomed.pid)
+    killed = Sweep(SweepHeader("mark", f"{MARK_VAR}=none", "", str(tmp_path))).run()
+    assert killed == 1
+    assert gone(doomed) and gone(alive)

@@ -13,8 +13,8 @@ import signal
 
 def proc_stat(pid: int) -> list[str] | None:
     """The fields of ``/proc/PID/stat`` after the command name (which may hold anything):
-    ``[0]`` is the state, ``[1]`` the parent, ``[3]`` the session, ``[19]`` the start time
-    (clock ticks since boot). ``None``: the process is gone."""
+    ``[0]`` is the state, ``[1]`` the parent, ``[3]`` the session, ``[6]`` the kernel's flags,
+    ``[19]`` the start time (clock ticks since boot). ``None``: the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             data = handle.read()
@@ -27,14 +27,44 @@ def proc_stat(pid: int) -> list[str] | None:
 class ProcStat:
     """The fields of ``/proc/PID/stat`` a sweep reads."""
 
-    __slots__ = ("pgid", "ppid", "sid", "start", "state")
+    __slots__ = ("flags", "pgid", "ppid", "sid", "start", "state")
 
     def __init__(self, fields: list[str]) -> None:
         self.state = fields[0]
         self.ppid = int(fields[1])
         self.pgid = int(fields[2])
         self.sid = int(fields[3])
+        self.flags = int(fields[6])
         self.start = int(fields[19])
+
+
+PF_EXITING = 0x4
+"""The kernel's flag (``/proc/PID/stat``'s ninth field) of a process on its way out."""
+
+
+def pending_signals(pid: int) -> set[int]:
+    """The signals pending for process ``pid`` (``/proc/PID/status``: its own, ``SigPnd``,
+    and its thread group's, ``ShdPnd``); empty when it is gone or unreadable."""
+    found: set[int] = set()
+    try:
+        with open(f"/proc/{pid}/status", "rb") as handle:
+            for line in handle:
+                if line.startswith((b"SigPnd:", b"ShdPnd:")):
+                    mask = int(line.split()[1], 16)
+                    found.update(n + 1 for n in range(mask.bit_length()) if mask >> n & 1)
+    except (OSError, ValueError, IndexError):
+        return set()
+    return found
+
+
+def dying(pid: int) -> bool:
+    """Whether process ``pid`` is already on its way out: exiting, or with a ``SIGKILL``
+    pending (sent, not yet acted on: a process dies when it next runs, which on a loaded
+    machine may be a while). Neither can be undone, nor faked by the process itself."""
+    st = process_stat(pid)
+    if st is None:
+        return False
+    return bool(st.flags & PF_EXITING) or signal.SIGKILL in pending_signals(pid)
 
 
 def process_stat(pid: int) -> ProcStat | None:

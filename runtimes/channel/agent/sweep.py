@@ -28,7 +28,7 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-from .procs import ProcStat, newest_first, process_stat
+from .procs import ProcStat, dying, newest_first, process_stat
 
 if TYPE_CHECKING:
     from .wire import SweepHeader
@@ -195,8 +195,10 @@ class ProcessSweep:
         self.recorded = {} if recorded is None else recorded  # the caller's, as it grows
 
     def sweep(self) -> tuple[int, list[int]]:
-        """Freeze-then-kill every matching process; (how many were killed, the pids of those
-        still running: not signallable, or still appearing at the deadline).
+        """Freeze-then-kill every matching process; (how many it killed, the pids of those
+        still running: not signallable, or still appearing at the deadline). A process
+        already dying (a ``SIGKILL`` pending or exiting: a timed-out command's, whose kill
+        the loaded machine has not yet run) is waited for like the others, not counted.
 
         Raises:
             OSError: /proc cannot be listed.
@@ -217,7 +219,8 @@ class ProcessSweep:
                 left = []
                 break
             for pid, start in frozen.items():
-                if send_signal(pid, start, signal.SIGKILL) == SENT:
+                doomed = dying(pid)  # a timed-out command's, killed already: not counted
+                if send_signal(pid, start, signal.SIGKILL) == SENT and not doomed:
                     killed.add((pid, start))
             wait_gone(frozen)
             found = self.matching(keep, own_mnt)
