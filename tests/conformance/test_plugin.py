@@ -3,7 +3,8 @@
 `vf-sandbox-echo` (tests/plugins/vf_sandbox_echo) is installed into the test
 environment by `make test`; it is a `runtimes.Backend` of five methods that declares no
 capability, so this also proves the runtime's generic plain path over `spawn` (every file
-operation) and its sweep of what commands leave running.
+operation) and its sweep of what commands leave running. The checks marked ``shares_sandbox``
+share one sandbox per class, each verified to leave nothing behind (``docs/conformance.md``).
 """
 
 import pytest
@@ -15,6 +16,7 @@ from runtimes.testing import RuntimeConformance
 
 class TestEchoPluginConformance(RuntimeConformance):
     config = {"type": "echo"}
+    share_sandbox = True
 
 
 def test_the_registry_composes_a_runtime_around_a_backend_plugin() -> None:
@@ -31,6 +33,7 @@ class TestEchoPluginChannelConformance(RuntimeConformance):
     `StreamSpawner` stream, with kills through `spawn` and `alive` as the death probe."""
 
     config = {"type": "echo", "channel": True}
+    share_sandbox = True
 
 
 @pytest.mark.anyio
