@@ -246,6 +246,12 @@ class Runtime(FileOperations, HostRouting, Snapshotting, Keeping, Listing):
     ) -> None:
         await self.close()
 
+    def lost(self) -> str | None:
+        """Why the sandbox is known to be gone without asking it (a ray sandbox whose node
+        the cluster lists dead), else ``None``, which says nothing (:meth:`alive` asks).
+        Free: no call is made. A pool hands out no ready sandbox that is lost."""
+        return None
+
     async def alive(self) -> bool:
         """Whether the sandbox answers. Never raises for a dead or closed sandbox.
 

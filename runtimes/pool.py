@@ -41,7 +41,6 @@ from tenacity import RetryCallState
 from .base import Runtime
 from .config import RuntimeConfig
 from .errors import (
-    ProvisioningError,
     SandboxError,
     SandboxInvalidArgumentError,
     SandboxTransportError,
@@ -50,7 +49,7 @@ from .errors import (
 from .lifecycle import State, close_all
 from .ownership import LABEL_PREFIX
 from .pacing import CreationPacer, create_paced
-from .pool_checks import check_numbers, check_poolable, recycler_for
+from .pool_checks import check_numbers, check_poolable, provisioning_error, recycler_for
 from .pooled import open_pooled, pool_for
 from .recycle import DEFAULT_AUDIT_EVERY, Recycler
 from .registry import open_runtime, resolve_runtime_config
@@ -357,11 +356,13 @@ class RuntimePool:
         self._check_open()
         await anyio.lowlevel.checkpoint_if_cancelled()
         self._dormant = False  # used again: keep it full
-        if self._ready:
+        while self._ready:
             runtime = self._ready.popleft().runtime  # the oldest: the nearest to expiring
-            self._handed_out += 1
-            self._refill()
-            return runtime  # no checkpoint between taking it and returning it
+            if runtime.lost() is None:
+                self._handed_out += 1
+                self._refill()
+                return runtime  # no checkpoint between taking it and returning it
+            self._drop(runtime)  # known gone (its Ray node left the cluster): never handed out
         return await self._wait_for_one(timeout)
 
     async def _wait_for_one(self, timeout: float | None) -> Runtime:
@@ -385,7 +386,7 @@ class RuntimePool:
             return waiter.runtime
         if waiter.pool_closed:
             raise PoolClosedError(f"{self._name()} was closed while waiting for a sandbox")
-        raise self._provisioning_error(waiter.failure)
+        raise provisioning_error(self._name(), self.create_attempts, waiter.failure)
 
     async def _withdraw(self, waiter: _Waiter) -> None:
         """An acquirer stopped waiting: forget it, and put back (or, in a closed pool,
@@ -422,7 +423,7 @@ class RuntimePool:
             if self._state != State.OPEN:
                 raise PoolClosedError(f"{self._name()} was closed while filling")
             if self._failures != failures:
-                raise self._provisioning_error(self._last_failure)
+                raise provisioning_error(self._name(), self.create_attempts, self._last_failure)
             changed = self._changed
             await changed.wait()
 
@@ -558,6 +559,11 @@ class RuntimePool:
             self._group.start_soon(self._discard_idle, entry.runtime)
         self._notify()
 
+    def _drop(self, runtime: Runtime) -> None:
+        log.info("%s: dropped the lost %s: %s", self._name(), runtime.describe(), runtime.lost())
+        assert self._group is not None
+        self._group.start_soon(self._discard_idle, runtime)
+
     async def _discard_idle(self, runtime: Runtime) -> None:
         try:
             await runtime.close()
@@ -587,14 +593,6 @@ class RuntimePool:
                 "was never opened (use `async with`)" if self._state == State.NEW else "is closed"
             )
             raise PoolClosedError(f"{self._name()} {what}")
-
-    def _provisioning_error(self, failure: BaseException | None) -> ProvisioningError:
-        error = ProvisioningError(
-            f"{self._name()}: could not create a sandbox in {self.create_attempts} "
-            f"attempts: {failure}"
-        )
-        error.__cause__ = failure
-        return error
 
     def _name(self) -> str:
         return f"{self.config.type} pool {self.id}"

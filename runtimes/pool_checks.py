@@ -5,7 +5,7 @@ its numbers, that the config's sandboxes can be handed to one acquirer each, and
 from __future__ import annotations
 
 from .config import RuntimeConfig, RuntimeConfigError
-from .errors import SandboxInvalidArgumentError
+from .errors import ProvisioningError, SandboxInvalidArgumentError
 from .recycle import Recycler, recycle_refusal
 from .registry import open_runtime
 
@@ -68,3 +68,15 @@ def check_poolable(config: RuntimeConfig) -> None:
             f"this {config.type} config borrows one existing sandbox (attach mode): "
             "every acquirer of a pool would share it"
         )
+
+
+def provisioning_error(
+    pool: str, attempts: int, failure: BaseException | None
+) -> ProvisioningError:
+    """What a pool's acquirers get once a creation failed ``attempts`` times (``failure``,
+    the last attempt's error, chained)."""
+    error = ProvisioningError(
+        f"{pool}: could not create a sandbox in {attempts} attempts: {failure}"
+    )
+    error.__cause__ = failure
+    return error

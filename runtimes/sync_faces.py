@@ -239,6 +239,9 @@ class RuntimeFace(Protocol):
     def describe(self) -> str:
         face_only()
 
+    def lost(self) -> str | None:
+        face_only()
+
     def resolve_path(self, path: PathLike) -> str:
         face_only()
 

@@ -60,6 +60,7 @@ from .placement import (
     ray_snapshot,
 )
 from .routes import close_ticket, open_ticket
+from .watch import NODES
 
 __all__ = ["RayRuntime"]
 
@@ -88,6 +89,7 @@ class RayRuntime(Runtime):
         self.snapshot_holds = self._inner_class.snapshot_holds  # type: ignore[misc]
         self._actor: Any = None
         self._started: Started | None = None
+        self._watched = False
         self._calls = itertools.count()
 
     # ------------------------------------------------------------------ where it is
@@ -105,6 +107,13 @@ class RayRuntime(Runtime):
     def node_address(self) -> str | None:
         """That node's IP address."""
         return self._started.node_address if self._started is not None else None
+
+    def lost(self) -> str | None:
+        """Why the sandbox is known to be gone: the cluster listed its node dead
+        (:mod:`runtimes.ray.watch`)."""
+        if self._started is not None and NODES.dead(self._started.node_id):
+            return f"its node {self._started.node_address} left the cluster"
+        return None
 
     def describe(self) -> str:
         inner = self._inner_config["type"]
@@ -126,11 +135,15 @@ class RayRuntime(Runtime):
         if actor is None:
             raise SandboxUnavailableError(f"{self.describe()} has no actor")
         what = f"{self.describe()}: {method}"
+        if (lost := self.lost()) is not None:
+            raise SandboxUnavailableError(f"{what}: {lost}")
 
         async def call() -> Any:
             return await calls.settle(getattr(actor, method).remote(*args, **kwargs), what)
 
         async def probe() -> object:
+            if (lost := self.lost()) is not None:
+                raise SandboxUnavailableError(f"{what}: {lost}")
             return await calls.settle(actor.ping.remote(), what)
 
         try:
@@ -193,13 +206,20 @@ class RayRuntime(Runtime):
                 "is there a node with a free slot? (docs/ray.md)"
             ) from None
         self._started = started
+        NODES.hold()
+        self._watched = True
         return started.workdir
 
     async def _close(self) -> None:
+        self._unwatch()
         actor, self._actor = self._actor, None
         if actor is None:
             return
         if self._started is None:  # never started: whatever it made has a dead creator
+            calls.ray_module().kill(actor, no_restart=True)
+            return
+        if (lost := self.lost()) is not None:  # no node to close it on
+            log.warning("%s: not closed on its node: %s", self.describe(), lost)
             calls.ray_module().kill(actor, no_restart=True)
             return
         try:
@@ -212,6 +232,7 @@ class RayRuntime(Runtime):
 
     def close_at_exit(self) -> None:
         """At interpreter exit, close on the node before Ray ends the actor with the driver."""
+        self._unwatch()
         actor = self._actor
         if actor is not None:
             ray = calls.ray_module()
@@ -221,6 +242,11 @@ class RayRuntime(Runtime):
                 log.warning("%s: closing at exit failed: %s", self.describe(), exc)
         self._actor = None
         self._mark_closed()
+
+    def _unwatch(self) -> None:
+        if self._watched:
+            self._watched = False
+            NODES.release()
 
     async def _alive(self) -> bool:
         if self._actor is None:

@@ -94,6 +94,34 @@ async def test_take_gives_the_caller_a_runtime_it_closes_itself(starts: Starts) 
     assert gone(rt, workdir)
 
 
+async def test_a_ready_sandbox_known_lost_is_never_handed_out_and_is_closed(
+    starts: Starts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sandbox whose runtime knows it is gone (``lost()``: a ray sandbox whose node left
+    the cluster) is dropped from the stock when its turn comes, closed, and the acquirer gets
+    a sandbox that is not lost."""
+    async with RuntimePool(CONFIG, size=2) as pool:
+        await pool.wait_ready()
+        stock = [rt for rt in live_runtimes() if isinstance(rt, SubprocessRuntime)]
+        assert len(stock) == 2
+        doomed = {stock[0]}
+        monkeypatch.setattr(
+            SubprocessRuntime, "lost", lambda self: "its node left" if self in doomed else None
+        )
+        taken = [await pool.take() for _ in range(2)]
+        try:
+            assert not doomed & set(taken), "a lost sandbox was handed out"
+            assert stock[1] in taken and pool.handed_out == 2
+            for _ in range(3000):  # closed in the pool's task group, soon
+                if stock[0].closed:
+                    break
+                await anyio.sleep(0.01)
+            assert stock[0].closed, "the lost sandbox was not closed"
+        finally:
+            for rt in taken:
+                await rt.close()
+
+
 async def test_each_pooled_sandbox_carries_the_config_labels_and_the_pool_label(
     starts: Starts,
 ) -> None:

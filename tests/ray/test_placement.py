@@ -105,9 +105,9 @@ async def test_a_node_killed_mid_exec_fails_typed_and_the_pool_refills_elsewhere
     ray_cluster: LocalCluster,
 ) -> None:
     """A node of its own is added, then killed while a command runs on it: the command fails
-    with SandboxUnavailableError within seconds (never a hang, never another error), so does
-    every later call, closing does not hang; the pool's next sandboxes start on the nodes
-    left."""
+    with SandboxUnavailableError within seconds (never a hang, never another error); the
+    sandbox then says it is lost (the driver's node watch), so every later call fails at once;
+    closing does not hang; the pool's next sandboxes start on the nodes left."""
     doomed = ray_cluster.add_node(slots=2)
     try:
         pool_config = ray_config(strategy="spread", dead_after=3)
@@ -135,7 +135,13 @@ async def test_a_node_killed_mid_exec_fails_typed_and_the_pool_refills_elsewhere
                 assert failure and isinstance(failure[0], SandboxUnavailableError), failure
                 print(f"node killed: the running exec failed {took[0]:.1f} s later")
                 assert took[0] < 20
-                with pytest.raises(SandboxUnavailableError):
+                for _ in range(300):  # the driver's node watch lists it lost
+                    if victim.lost() is not None:
+                        break
+                    await anyio.sleep(0.1)
+                assert doomed.address in str(victim.lost())
+                # then every call fails at once, without asking the node
+                with pytest.raises(SandboxUnavailableError, match="left the cluster"):
                     await victim.read("anything")
                 assert not await victim.alive()
             ray_cluster.wait_node_dead(doomed)
