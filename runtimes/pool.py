@@ -358,11 +358,11 @@ class RuntimePool:
         self._dormant = False  # used again: keep it full
         while self._ready:
             runtime = self._ready.popleft().runtime  # the oldest: the nearest to expiring
-            if runtime.lost() is None:
+            if (lost := runtime.lost()) is None:
                 self._handed_out += 1
                 self._refill()
                 return runtime  # no checkpoint between taking it and returning it
-            self._drop(runtime)  # known gone (its Ray node left the cluster): never handed out
+            self._drop(runtime, lost)  # known gone (its node left the cluster): never handed out
         return await self._wait_for_one(timeout)
 
     async def _wait_for_one(self, timeout: float | None) -> Runtime:
@@ -559,8 +559,8 @@ class RuntimePool:
             self._group.start_soon(self._discard_idle, entry.runtime)
         self._notify()
 
-    def _drop(self, runtime: Runtime) -> None:
-        log.info("%s: dropped the lost %s: %s", self._name(), runtime.describe(), runtime.lost())
+    def _drop(self, runtime: Runtime, lost: str) -> None:
+        log.info("%s: dropped the lost %s: %s", self._name(), runtime.describe(), lost)
         assert self._group is not None
         self._group.start_soon(self._discard_idle, runtime)
 

@@ -27,9 +27,15 @@ if [ -n "$home" ]; then
   [ -n "$at" ] || home=""
 fi
 # /proc/PID/stat is split into fields on purpose (unquoted, globbing off), after the command
-# name, which may hold anything.
+# name, which may hold anything, newlines included: stat_of reads every line of it (into $__s,
+# joined; false when the process is gone), so the fields are found after the last ") ".
+stat_of() {
+  __s="" __l=""
+  { while IFS= read -r __l; do __s="$__s $__l"; done < "/proc/$1/stat"; } 2>/dev/null
+  [ -n "$__s" ]
+}
 sid_of() {
-  { read -r __s < "/proc/$1/stat"; } 2>/dev/null || return 1
+  stat_of "$1" || return 1
   set -f
   # shellcheck disable=SC2086
   set -- ${__s##*) }
@@ -39,7 +45,7 @@ ancestors() {
   __p=$1
   while [ -n "$__p" ] && [ "$__p" -gt 1 ] 2>/dev/null; do
     echo "$__p"
-    { read -r __s < "/proc/$__p/stat"; } 2>/dev/null || return 0
+    stat_of "$__p" || return 0
     set -f
     # shellcheck disable=SC2086
     set -- ${__s##*) }
@@ -59,10 +65,10 @@ done
 # look PID NEW: freeze PID if it matches; NEW=1 for a pid the pass before did not list.
 look() {
   case $kept in *" $1 "*) return ;; esac
-  if ! { read -r s < "/proc/$1/stat"; } 2>/dev/null; then unsure=$((unsure | $2)); return; fi
+  if ! stat_of "$1"; then unsure=$((unsure | $2)); return; fi
   set -f
   # shellcheck disable=SC2086
-  set -- "$1" "$2" ${s##*) }
+  set -- "$1" "$2" ${__s##*) }
   set +f
   state=$3 sid=$6 started=${22}
   case $state in Z|X|x) unsure=$((unsure | $2)); return ;; esac
@@ -115,15 +121,17 @@ done
 total=0
 for p in $seen; do
   doomed=0
-  if { read -r s < "/proc/$p/stat"; } 2>/dev/null; then
+  if stat_of "$p"; then
     set -f
     # shellcheck disable=SC2086
-    set -- ${s##*) }
+    set -- ${__s##*) }
     set +f
-    [ $(($7 & 4)) -eq 0 ] || doomed=1
+    case $7 in '' | *[!0-9]*) ;; *) [ $(($7 & 4)) -eq 0 ] || doomed=1 ;; esac
   fi
   while read -r k v _; do
-    case $k in SigPnd: | ShdPnd:) [ $((0x$v & 256)) -eq 0 ] || doomed=1 ;; esac
+    case $k in SigPnd: | ShdPnd:)
+      case $v in '' | *[!0-9a-fA-F]*) ;; *) [ $((0x$v & 256)) -eq 0 ] || doomed=1 ;; esac ;;
+    esac
   done 2>/dev/null < "/proc/$p/status"
   kill -KILL "$p" 2>/dev/null && [ "$doomed" = 0 ] && total=$((total + 1))
 done

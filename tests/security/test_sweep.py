@@ -96,3 +96,29 @@ async def test_a_scrubbed_daemon_that_left_the_workdir_is_swept(hostile: Hostile
     """In a sandbox of its own, the sweep needs neither the mark nor the workdir."""
     async with open_runtime(hostile.config) as rt:
         await assert_swept(rt, ROAMING_DAEMON, hostile.user, beat="/tmp/beat")
+
+
+# Named so that /proc/PID/stat's first line ends inside the command name, after a forged ") ":
+# a sweep that reads one line takes garbage for the process's fields.
+NEWLINE_NAMED = """
+n=$(printf 'x\\n) S 1 1 1 1') && ln -s /bin/sh "./$n" && \
+  nohup "./$n" -c 'while :; do printf x >> beat; sleep 0.02; done' >/dev/null 2>&1 </dev/null &
+"""
+
+
+@pytest.mark.attack(6)
+@pytest.mark.parametrize("hostile", ["docker-root", "modal-fake", "ssh-user"], indirect=True)
+async def test_a_leftover_with_a_newline_in_its_name_is_swept_by_the_script(
+    hostile: Hostile,
+) -> None:
+    """The sweep script (``scripts/sweep.sh``: the plain path's, and every close's), in each
+    of its modes: ``all`` (Docker), ``since`` (Modal) and ``mark`` (SSH). Reading only the
+    first line of the leftover's stat once let it escape the ``since`` sweep, and made the
+    count abort the script with the leftover frozen, not killed."""
+    config = hostile.config
+    if isinstance(config, dict):
+        config = {**config, "channel": False}
+    else:
+        config = config.model_copy(update={"channel": False})
+    async with open_runtime(config) as rt:
+        await assert_swept(rt, NEWLINE_NAMED, hostile.user)
