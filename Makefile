@@ -2,7 +2,8 @@
 # `make test` is what CI runs (.ci/run). Everything is non-interactive.
 #
 #   make test                    everything CI does: venv + deps, Docker engine, images, lint, types, pytest
-#   make test PYTEST_ARGS='-k ssh -x'
+#   make test PYTEST_ARGS='-k ssh -x' PYTEST_WORKERS=3
+#   make check                   the inner loop (minutes): lint, types, the tests that need no engine
 #   make images FORCE=1          rebuild the base image and all images/<name>/ images from scratch
 #   make demo | bench | lint | typecheck | floors | clean | distclean   (demo: no dev tools; DEMO_EXTRAS=all)
 
@@ -40,7 +41,7 @@ PYTEST_ARGS ?=
 # The extras that bring torch ([trl], and [all] through it) get it pinned to the CPU build on disk.
 TORCH_PIN := $(if $(filter all trl,$(subst $(comma), ,$(DEMO_EXTRAS))),'torch==2.13.0',)
 
-.PHONY: help venv install install-run engine compose bench-compose images shellcheck stress-ng floors lint typecheck test demo bench clean distclean
+.PHONY: help venv install install-run engine compose bench-compose images shellcheck stress-ng floors lint typecheck prepare test check demo bench clean distclean
 
 help:
 	@sed -n '1,7s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
@@ -89,7 +90,9 @@ $(RUN_STAMP): pyproject.toml | $(VENV_PY)
 # --- Docker engine and offline images --------------------------------------------------------------------
 # engine also installs Debian's docker-registry (as root) when missing: the loopback registry
 # of the pull-policy tests (tests/docker/test_pull.py).
-engine:
+# Ordered after the other apt-get installs (shellcheck, stress-ng): under `make -j` only one
+# apt-get runs at a time.
+engine: | shellcheck stress-ng
 	bash images/engine.sh
 	if ! command -v docker-registry >/dev/null; then
 	  if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
@@ -131,7 +134,7 @@ shellcheck:
 
 # stress-ng: the background load of the soak (tests/reliability/test_soak.py), from Debian's
 # archive when it is missing (as root; else install it yourself).
-stress-ng:
+stress-ng: | shellcheck
 	if ! command -v stress-ng >/dev/null; then
 	  if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
 	    apt-get install -y -q --no-install-recommends stress-ng </dev/null \
@@ -173,9 +176,39 @@ floors: $(FLOORS_STAMP) images
 	@$(call step,the suite's core at the declared floors)
 	$(FLOORS_VENV)/bin/pytest -q -p no:cacheprovider $(FLOORS_TESTS)
 
-# pytest's own exit code is the result (5 = no tests collected fails too).
-test: install images lint typecheck stress-ng floors
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+# Everything pytest needs, side by side (`make -j`): the dev set installs while the engine
+# starts and the images build; lint, types and the floors follow each as soon as its inputs are
+# there. Each step's output is printed whole when it ends (--output-sync).
+PREPARE_JOBS ?= 4
+prepare:
+	$(MAKE) --no-print-directory -j$(PREPARE_JOBS) --output-sync=target install images lint typecheck stress-ng floors
+
+# pytest in two phases (tests/parallel.py, docs/reliability.md "How the suite runs"): every test
+# but the serial ones on PYTEST_WORKERS workers (pytest-xdist; a worker takes a whole file or
+# class, and the tests that act on a whole backend share one worker), then the serial ones alone.
+# pytest's own exit code is each phase's result: 5 (no tests collected) fails, unless
+# PYTEST_ARGS narrowed the run and the other phase ran tests.
+PYTEST_WORKERS ?= 3
+PYTEST := $(VENV)/bin/pytest
+
+test: prepare
+	@$(call step,pytest side by side on $(PYTEST_WORKERS) workers)
+	rc1=0; $(PYTEST) --phase=parallel -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) || rc1=$$?
+	$(call step,pytest: the serial tests alone)
+	rc2=0; $(PYTEST) --phase=serial $(PYTEST_ARGS) || rc2=$$?
+	echo "pytest exit codes: side by side $$rc1, alone $$rc2"
+	if [ -n "$(strip $(PYTEST_ARGS))" ]; then
+	  if [ $$rc1 -eq 5 ] && [ $$rc2 -eq 0 ]; then rc1=0; fi
+	  if [ $$rc2 -eq 5 ] && [ $$rc1 -eq 0 ]; then rc2=0; fi
+	fi
+	[ $$rc1 -eq 0 ] && [ $$rc2 -eq 0 ]
+
+# The inner loop between commits (not CI's): lint, types, and the tests that need no engine,
+# no sshd and no cluster, side by side. CI runs `make test`.
+CHECK_MARKERS := not docker and not ssh and not ray and not slow and not modal_live
+check:
+	$(MAKE) --no-print-directory -j$(PREPARE_JOBS) --output-sync=target lint typecheck
+	$(PYTEST) -n $(PYTEST_WORKERS) --dist loadgroup -m '$(CHECK_MARKERS)' $(PYTEST_ARGS)
 
 # --- demo and benchmarks -----------------------------------------------------------------------------------
 # The main job: judge the example rollout on the subprocess runtime. Offline, the judges'

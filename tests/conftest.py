@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from runtimes import drain_removals_blocking
+from tests import parallel
 
 if TYPE_CHECKING:
     from tests.ray.cluster import LocalCluster
@@ -22,18 +23,57 @@ def _removals_finish_within_their_test() -> Iterator[None]:
     drain_removals_blocking()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--phase",
+        choices=("all", "parallel", "serial"),
+        default="all",
+        help="all tests, or those of `make test`'s side-by-side or serial phase "
+        "(tests/parallel.py)",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's xdist group and phase (tests/parallel.py)."""
+    parallel.place(items)
+    phase = config.getoption("--phase")
+    if phase != "all":
+        wanted = phase == "serial"
+        kept, dropped = [], []
+        for item in items:
+            serial = item.get_closest_marker("serial") is not None
+            (kept if serial == wanted else dropped).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
+
+
 _FILE_SECONDS: dict[str, float] = {}
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    parallel.attach(outcome.get_result())
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Add each phase's time (set-up, call, teardown) to its test file's total."""
+    """Add each phase's time (set-up, call, teardown) to its test file's total, and take what
+    the test counted for the summary (tests/parallel.py)."""
+    parallel.receive(report)
     name = report.nodeid.split("::", 1)[0]
     _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Where the suite's time goes, by test file: what to look at first when `make test`
-    nears its time budget."""
+    nears its time budget; then the tallies the suite's parts count."""
+    from tests.reliability.conftest import write_tally
+    from tests.security.conftest import write_attack_tally
+
+    write_tally(terminalreporter, parallel.RECEIVED["reliability"])
+    write_attack_tally(terminalreporter, parallel.RECEIVED["attack"])
     if not _FILE_SECONDS:
         return
     total = sum(_FILE_SECONDS.values())

@@ -16,8 +16,6 @@ from runtimes.cleanup import (
     list_target,
     snapshot_info,
 )
-from runtimes.ray.cluster import NODE_ADDRESS
-from runtimes.ray.cluster import SESSION as RAY_SESSION
 
 from .commands import CommandFactory
 from .exec import run_interruptible
@@ -69,9 +67,16 @@ def _shown_id(result: SweepResult) -> str:
 
 
 def _listed(info: SandboxInfo) -> dict[str, Any]:
-    dead = ownership.creator_is_dead(info.labels)
-    # A ray sandbox's creator is a process of its node, judged there (runtimes.ray.cluster).
-    session = info.labels.get(RAY_SESSION) or {True: "dead", False: "alive", None: "unknown"}[dead]
+    session = {True: "dead", False: "alive", None: "unknown"}[
+        ownership.creator_is_dead(info.labels)
+    ]
+    node = None
+    if info.backend == "ray":  # imported for a ray row only: the CLI loads no backend it skips
+        from runtimes.ray.cluster import NODE_ADDRESS, SESSION
+
+        # A ray sandbox's creator is a process of its node, judged there.
+        session = info.labels.get(SESSION) or session
+        node = info.labels.get(NODE_ADDRESS)
     return {
         "backend": info.backend,
         "id": info.id,
@@ -79,7 +84,7 @@ def _listed(info: SandboxInfo) -> dict[str, Any]:
         "created": info.created,
         "session": session,
         "kept": ownership.is_kept(info.labels),
-        "node": info.labels.get(NODE_ADDRESS),
+        "node": node,
         "labels": dict(info.labels),
     }
 

@@ -20,6 +20,7 @@ import anyio.lowlevel
 
 from .. import ownership
 from ..errors import (
+    ProvisioningError,
     SandboxError,
     SandboxTransportError,
     SandboxUnavailableError,
@@ -74,8 +75,18 @@ def engine_name(config: DockerConfig) -> str:
 
 
 def client_for(config: DockerConfig) -> docker.DockerClient:
-    """A process-wide client per engine (blocking: asks the engine for its API version)."""
-    import docker
+    """A process-wide client per engine (blocking: asks the engine for its API version).
+
+    Raises:
+        ProvisioningError: the docker SDK is not installed (every SDK call starts here, so a
+            missing extra is this one typed error, never an ImportError).
+    """
+    try:
+        import docker
+    except ImportError as exc:
+        raise ProvisioningError(
+            "the docker runtime needs the docker SDK: pip install 'vf-sandbox[docker]'"
+        ) from exc
 
     key = (config.base_url, config.api_timeout)
     with _CLIENTS_LOCK:

@@ -17,7 +17,6 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 import anyio
-import sniffio
 from anyio.lowlevel import RunVar
 
 from ..errors import (
@@ -26,6 +25,7 @@ from ..errors import (
     SandboxTransportError,
     SandboxUnavailableError,
 )
+from ..portal import running_event_loop
 
 __all__ = [
     "connect",
@@ -157,7 +157,7 @@ async def settle(ref: Any, what: str) -> Any:
     """The value of one Ray call, awaited on the caller's event loop; Ray's errors typed
     (:func:`ray_error`)."""
     try:
-        if sniffio.current_async_library() == "asyncio":
+        if running_event_loop() == "asyncio":
             return await ref
         future = ref.future()
         return await anyio.to_thread.run_sync(

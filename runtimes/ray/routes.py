@@ -44,11 +44,10 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
-import sniffio
 
 from ..base import Runtime
 from ..errors import HostRouteError, SandboxError, SandboxInvalidArgumentError
-from ..portal import PortalThread
+from ..portal import PortalThread, running_event_loop
 from ..routes import HostRoute, RouteKind
 
 __all__ = [
@@ -408,7 +407,7 @@ class NodeRoute:
             SandboxInvalidArgumentError: the running loop is not asyncio (use :meth:`serve`).
             SandboxUnavailableError: the sandbox is closed.
         """
-        if sniffio.current_async_library() != "asyncio":
+        if running_event_loop() != "asyncio":
             raise SandboxInvalidArgumentError(
                 "NodeRoute.open needs an asyncio loop; run NodeRoute.serve in a task group"
             )

@@ -276,8 +276,14 @@ def _authenticate(transport: paramiko.Transport, config: SSHConfig) -> None:
 
 
 def connect(config: SSHConfig, accepted: dict[str, bytes]) -> paramiko.Transport:
-    """Open, verify and authenticate one transport. Raises ProvisioningError subclasses."""
-    import paramiko
+    """Open, verify and authenticate one transport. Raises ProvisioningError subclasses
+    (ProvisioningError itself when paramiko, the [ssh] extra, is not installed)."""
+    try:
+        import paramiko
+    except ImportError as exc:
+        raise ProvisioningError(
+            "the ssh runtime needs paramiko: pip install 'vf-sandbox[ssh]'"
+        ) from exc
 
     expected = _expected_host_keys(config)
     try:

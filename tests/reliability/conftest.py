@@ -23,6 +23,7 @@ import pytest
 from runtimes import Runtime, ownership
 from runtimes.pytest_plugin import DOCKER_TEST_IMAGE, require_docker_image
 from runtimes.reaper import drain_removals_blocking
+from tests.parallel import emit
 from tests.processes import sleep_token
 from tests.ssh.sshd import IMAGE as SSHD_IMAGE
 from tests.ssh.sshd import SSHServer, image_present
@@ -122,6 +123,7 @@ class Tally:
 
     def add(self, key: str, amount: int = 1) -> None:
         self.counts[key] = self.counts.get(key, 0) + amount
+        emit("reliability", [key, amount])
 
 
 TALLY = Tally()
@@ -130,11 +132,18 @@ TABLES: dict[str, list[str]] = {}
 """Tables a test prints at the end of the run (title: lines), whatever ``-s`` says."""
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if TALLY.counts:
+def write_tally(terminalreporter: Any, counted: list[Any]) -> None:
+    """The reliability tally of the whole run (each worker's counts, tests/parallel.py)."""
+    totals: dict[str, int] = {}
+    for key, amount in counted:
+        totals[key] = totals.get(key, 0) + int(amount)
+    if totals:
         terminalreporter.section("reliability tally")
-        for key in sorted(TALLY.counts):
-            terminalreporter.write_line(f"{key}: {TALLY.counts[key]}")
+        for key in sorted(totals):
+            terminalreporter.write_line(f"{key}: {totals[key]}")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
     for title, lines in TABLES.items():
         terminalreporter.section(title)
         for line in lines:

@@ -22,6 +22,7 @@ import pytest
 from tests.channel.conftest import sshd  # noqa: F401 - fixture (one server per module)
 from tests.docker.conftest import docker_client, no_leaks  # noqa: F401 - fixtures
 from tests.modal.support import fake_config, fake_modal, fake_service  # noqa: F401 - fixtures
+from tests.parallel import emit
 from tests.ssh.sshd import SSHServer
 
 IMAGE = "vf-sandbox/base:bookworm"
@@ -133,11 +134,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(pytest.mark.ssh)
 
 
-_TALLY: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Count the test's attack classes and target, defended or not, for the run's tally
+    (tests/parallel.py carries it from every xdist worker)."""
     outcome = yield
     report = outcome.get_result()
     marker = item.get_closest_marker("attack")
@@ -146,17 +146,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.when == "call" or (report.when == "setup" and not report.passed):
         callspec = getattr(item, "callspec", None)
         target = str(callspec.params.get("hostile", "host")) if callspec else "host"
-        for klass in marker.args:
-            _TALLY[(int(klass), target)]["defended" if report.passed else "FAILED"] += 1
+        emit("attack", [[int(k) for k in marker.args], target, report.passed])
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not _TALLY:
+def write_attack_tally(terminalreporter: Any, counted: list[Any]) -> None:
+    """The attack suite's tally: tests defended and failed, by class and target."""
+    tally: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for classes, target, passed in counted:
+        for klass in classes:
+            tally[(int(klass), str(target))]["defended" if passed else "FAILED"] += 1
+    if not tally:
         return
     write = terminalreporter.write_line
     write("")
     write("attack suite tally (class, target: tests defended / failed)")
-    for (klass, target), counts in sorted(_TALLY.items()):
+    for (klass, target), counts in sorted(tally.items()):
         write(
             f"  {klass} {ATTACKS.get(klass, '?'):<45} {target:<12} "
             f"defended {counts['defended']:>3}  failed {counts['FAILED']:>3}"
