@@ -144,12 +144,20 @@ stress-ng: | shellcheck
 	  fi
 	fi
 
+# deps: deptry over runtimes, harnesses and placement ([tool.deptry] in pyproject.toml, each
+# ignore with its reason): an import no dependency declares (sniffio, once), or a declared
+# dependency nothing imports, fails. lint runs it too.
+.PHONY: deps
+deps: install
+	$(VENV)/bin/deptry .
+
 lint: install shellcheck
 	rc=0
 	shellcheck -s sh $$(find runtimes -name '*.sh' | sort) || rc=1
 	shellcheck -x images/*.sh || rc=1
 	$(VENV)/bin/ruff check $(wildcard $(LINT_DIRS)) || rc=1
 	$(VENV)/bin/ruff format --check $(wildcard $(LINT_DIRS)) || rc=1
+	$(VENV)/bin/deptry . || rc=1
 	exit $$rc
 
 typecheck: install

@@ -3,6 +3,9 @@ and the bounded retry of idempotent calls. No cluster needed."""
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import Generator
+
 import pytest
 from ray import exceptions as rx
 
@@ -12,7 +15,7 @@ from runtimes import (
     SandboxTransportError,
     SandboxUnavailableError,
 )
-from runtimes.ray.calls import ray_error, retried
+from runtimes.ray.calls import ray_error, retried, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -99,3 +102,33 @@ async def test_an_idempotent_call_is_retried_a_bounded_number_of_times() -> None
     with pytest.raises(SandboxUnavailableError):
         await retried(gone, 3)
     assert len(attempts) == 1  # a dead sandbox is never retried
+
+
+class _Ref:
+    """A Ray object reference as :func:`settle` uses one: awaitable under asyncio, a
+    ``concurrent.futures.Future`` (waited on in a worker thread) under any other loop."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+        self.ways: list[str] = []
+
+    def __await__(self) -> Generator[None, None, str]:
+        self.ways.append("awaited")
+        return self._value().__await__()
+
+    async def _value(self) -> str:
+        return self.value
+
+    def future(self) -> concurrent.futures.Future[str]:
+        self.ways.append("future")
+        done: concurrent.futures.Future[str] = concurrent.futures.Future()
+        done.set_result(self.value)
+        return done
+
+
+async def test_a_call_is_awaited_on_asyncio_and_through_a_thread_on_any_other_loop(
+    anyio_backend: str,
+) -> None:
+    ref = _Ref("answer")
+    assert await settle(ref, "probing") == "answer"
+    assert ref.ways == (["awaited"] if anyio_backend == "asyncio" else ["future"])

@@ -17,11 +17,11 @@ from contextlib import asynccontextmanager
 
 import anyio
 import pytest
-import sniffio
 
 from runtimes import open_runtime
 from runtimes.base import Runtime
 from runtimes.errors import SandboxInvalidArgumentError
+from runtimes.portal import running_event_loop
 from runtimes.ray.routes import (
     TOKEN_BYTES,
     DriverRelay,
@@ -117,7 +117,7 @@ async def routed(
 ) -> AsyncIterator[tuple[NodeRoute, tuple[str, int]]]:
     """The node's leg for ``ticket``, as the actor runs it (asyncio) or in a task group."""
     route = NodeRoute()
-    if sniffio.current_async_library() == "asyncio":
+    if running_event_loop() == "asyncio":
         try:
             yield route, await route.open(runtime, ticket)
         finally:
