@@ -49,6 +49,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = kept
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a side-by-side worker: pytest-xdist took every test's group (tests/parallel.py)."""
+    parallel.check_grouped(session.config, session.items)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    parallel.fail_ungrouped(item)
+
+
 _FILE_SECONDS: dict[str, float] = {}
 
 

@@ -25,12 +25,16 @@ from .faults import paramiko_failures
 
 if TYPE_CHECKING:
     import paramiko
+    import paramiko.packet
 
 log = logging.getLogger("runtimes.ssh")
 
 CHUNK = 1 * MiB
 _WINDOW = 16 * MiB
 _MAX_PACKET = 32 * 1024
+_LONGEST_READ = 256 * 1024 + 64
+"""The most bytes one inbound packet may take: OpenSSH's own bound on a packet (256 KiB,
+``PACKET_MAX_SIZE``) plus the longest MAC. A longer length is garbage."""
 _READER_EXIT = 2.0
 """Seconds ``close()`` waits for the reader thread to see EOF and close the socket."""
 
@@ -65,6 +69,30 @@ def _signal_exit_code(name: str) -> int:
     except KeyError:
         log.warning("unknown signal %r in exit-signal; reporting SIGKILL", name)
         return 128 + signal.SIGKILL.value
+
+
+@functools.cache
+def _packetizer_class() -> type[paramiko.packet.Packetizer]:
+    """A Packetizer that refuses a packet longer than any server sends.
+
+    Bytes lost from the inbound stream (a stale read elsewhere in the process, a broken
+    middlebox) can leave paramiko a block-aligned garbage packet length: it then waits for up
+    to 4 GiB that never form a packet, and while the server's output keeps arriving the
+    socket never times out, so no keepalive is sent to notice. Refused here, the reader
+    thread ends at once, as it does on a MAC mismatch: every call in flight fails typed."""
+    import paramiko
+    import paramiko.packet
+
+    class Packetizer(paramiko.packet.Packetizer):
+        def read_all(self, n: int, check_rekey: bool = False) -> bytes:
+            if n > _LONGEST_READ:
+                raise paramiko.SSHException(
+                    f"inbound packet of {n} bytes, over the {_LONGEST_READ} any server "
+                    "sends: the stream is corrupt"
+                )
+            return super().read_all(n, check_rekey)
+
+    return Packetizer
 
 
 @functools.cache
@@ -294,7 +322,10 @@ def connect(config: SSHConfig, accepted: dict[str, bytes]) -> paramiko.Transport
     # Without it Nagle on our small requests meets the server's delayed ACKs: +40 ms per exec.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     transport = _transport_class()(
-        sock, default_window_size=_WINDOW, default_max_packet_size=_MAX_PACKET
+        sock,
+        default_window_size=_WINDOW,
+        default_max_packet_size=_MAX_PACKET,
+        packetizer_class=_packetizer_class(),
     )
     try:
         transport.banner_timeout = config.connect_timeout

@@ -5,6 +5,7 @@ runtime from a config file beside the task, found the way inspect finds a provid
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +71,20 @@ def answer_file() -> Scorer:
         written = (await env.read_file("out/answer.txt")).strip()
         said = target.text in state.output.completion
         value = CORRECT if written == target.text and said else INCORRECT
-        return Score(value=value, answer=written, explanation=state.output.completion)
+        labels = env.as_type(VfSandboxEnvironment).runtime.config.labels
+        return Score(
+            value=value,
+            answer=written,
+            explanation=state.output.completion,
+            metadata={"task_label": labels[TASK_LABEL]},
+        )
 
     return score
 
 
-def task(sandbox_spec: Any) -> Task:
+def task(sandbox_spec: Any, name: str | None = None) -> Task:
     return Task(
+        name=name,
         dataset=[Sample(input="What is 6 times 7? Leave it in out/answer.txt.", target="42")],
         solver=[use_tools([bash(timeout=30), python(timeout=30)]), generate()],
         scorer=answer_file(),
@@ -84,9 +92,9 @@ def task(sandbox_spec: Any) -> Task:
     )
 
 
-def run(sandbox_spec: Any, log_dir: Path) -> EvalLog:
+def run(sandbox_spec: Any, log_dir: Path, name: str | None = None) -> EvalLog:
     [log] = eval(
-        task(sandbox_spec),
+        task(sandbox_spec, name),
         model=scripted_model(),
         log_dir=str(log_dir),
         display="none",
@@ -106,19 +114,25 @@ def assert_scored_correct(log: EvalLog) -> None:
     assert tool_outputs[1].strip() == "read: 42", tool_outputs
 
 
-def inspect_containers(client: docker.DockerClient) -> list[Any]:
-    return client.containers.list(all=True, filters={"label": f"{INSPECT_LABEL}=true"})
+def inspect_containers(client: docker.DockerClient, task_name: str) -> list[Any]:
+    """The containers of this eval's task: other tests' evals run beside it."""
+    labels = [f"{INSPECT_LABEL}=true", f"{TASK_LABEL}={task_name}"]
+    return client.containers.list(all=True, filters={"label": labels})
 
 
 @pytest.mark.docker
 def test_an_eval_with_bash_and_python_tools_scores_on_docker(tmp_path: Path) -> None:
     client = docker.from_env()
-    before = {c.id for c in inspect_containers(client)}
-    log = run(("vf", {"type": "docker", "image": IMAGE}), tmp_path / "logs")
+    name = f"docker_tools_{uuid.uuid4().hex[:8]}"
+    before = {c.id for c in inspect_containers(client, name)}
+    log = run(("vf", {"type": "docker", "image": IMAGE}), tmp_path / "logs", name)
     assert_scored_correct(log)
     assert log.eval.sandbox is not None and log.eval.sandbox.type == "vf"
+    [sample] = log.samples or []
+    assert sample.scores is not None
+    assert sample.scores["answer_file"].metadata == {"task_label": name}, "counted by this label"
     drain_removals_blocking()
-    left = [c for c in inspect_containers(client) if c.id not in before]
+    left = [c for c in inspect_containers(client, name) if c.id not in before]
     assert left == [], "the sample's container outlived the eval"
 
 

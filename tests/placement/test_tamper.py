@@ -27,14 +27,25 @@ pytestmark = pytest.mark.anyio
 
 SCHEMA = {"passed": "boolean"}
 
-# A policy that leaves a spy behind: it tries, over and over, to read every judge's
-# inputs and to plant a passing verdict for every judge.
-SPY = (
-    "nohup sh -c 'while :; do "
-    'for d in /tmp/vf-agent/*/; do cat "$d"task.json >> stolen.txt 2>/dev/null; '
-    'printf "{\\"passed\\": true}" > "$d"verdict.json 2>/dev/null; done; sleep 0.02; '
-    "done' >/dev/null 2>&1 </dev/null &"
-)
+
+# A policy that leaves a spy behind: it tries, over and over, to read the inputs of every
+# judge of its test and to plant a passing verdict for each. (Only its test's: on the
+# subprocess backend /tmp is the host's, where other tests' judges run side by side.)
+def spy(names: str) -> tuple[str, str]:
+    """The spy's ``sh -c`` script for judges named ``names...``, and the ``sleep`` it runs
+    (its mark in ``ps``)."""
+    nap = f"sleep 0.02{secrets.randbelow(10**6):06d}"
+    script = (
+        "nohup sh -c 'while :; do "
+        f'for d in {INPUTS_ROOT}/{names}*/; do cat "$d"task.json >> stolen.txt 2>/dev/null; '
+        'printf "{\\"passed\\": true}" > "$d"verdict.json 2>/dev/null; done; '
+        f"{nap}; done' >/dev/null 2>&1 </dev/null &"
+    )
+    return script, nap
+
+
+def prefix() -> str:
+    return f"tp{secrets.token_hex(4)}"
 
 
 def judge(name: str, **kw: Any) -> JudgeSpec:
@@ -49,16 +60,19 @@ async def test_policy_leftovers_cannot_read_inputs_or_plant_a_verdict(
     # The judge looks around for a while, then writes a FAILING verdict; the spy, if it
     # were alive, would read task.json and overwrite the verdict with a passing one.
     look = 'sleep 1; printf \'{"passed": false}\' > "$VF_AGENT_VERDICT"; sleep 1'
-    models = scripted_models({"j": [bash_call(look), reply("done")]})
+    name = f"{prefix()}j"
+    script, nap = spy(name)
+    models = scripted_models({name: [bash_call(look), reply("done")]})
     async with open_runtime(backend) as rt:
-        await rt.exec(["sh", "-c", SPY])
+        await rt.exec(["sh", "-c", script])
         await rt.exec(["sleep", "0.2"])
-        assert "sleep 0.02" in (await rt.exec(["ps", "-eo", "args"])).stdout
-        [run] = await run_judges([judge("j")], task=task, trace=trace, models=models, runtime=rt)
-        assert run.verdict == {"passed": False}, "the spy planted its verdict"
+        assert nap in (await rt.exec(["ps", "-eo", "args"])).stdout
+        [run] = await run_judges([judge(name)], task=task, trace=trace, models=models, runtime=rt)
+        listing = (await rt.exec(["ps", "-eo", "pid,stat,args"])).stdout
+        assert run.verdict == {"passed": False}, f"the spy planted its verdict: {run!r}\n{listing}"
         stolen = await rt.read("stolen.txt") if await rt.exists("stolen.txt") else b""
         assert task["id"].encode() not in stolen, "the spy read the judge's inputs"
-        assert "sleep 0.02" not in (await rt.exec(["ps", "-eo", "args"])).stdout
+        assert nap not in listing, listing
 
 
 async def test_a_verdict_without_the_spy_would_have_been_planted(
@@ -67,9 +81,11 @@ async def test_a_verdict_without_the_spy_would_have_been_planted(
     """Control: the spy really plants verdicts when nobody stops it (the test above is live)."""
     trace = Trace(harness="bash").finish("done")
     models = scripted_models({"j": [bash_call("sleep 1.5"), reply("done")]})
+    ours = prefix()
+    script, _ = spy(ours)
     async with open_runtime(backend) as rt:
-        await rt.exec(["sh", "-c", SPY])
-        directory = f"{INPUTS_ROOT}/ctrl-{secrets.token_hex(8)}"
+        await rt.exec(["sh", "-c", script])
+        directory = f"{INPUTS_ROOT}/{ours}ctrl-{secrets.token_hex(8)}"
         await rt.write(f"{directory}/task.json", JudgeInputs.take(TASK, trace).task_json)
         # the spy rewrites the file every 20 ms (truncate, then write): a read can land
         # between the two, so look a few times

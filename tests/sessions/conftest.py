@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -20,6 +20,7 @@ from harnesses.session import (
     call,
 )
 from runtimes import Runtime, live_runtimes
+from runtimes.channel.agent.procs import dying
 from runtimes.reaper import wait_for_removals_blocking
 
 PYTHON_IMAGE = "vf-sandbox/python:latest"
@@ -116,9 +117,40 @@ async def no_leaks() -> AsyncIterator[None]:
 
 
 def host_processes(marker: str) -> list[str]:
-    """Command lines of host processes containing ``marker``."""
-    listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
-    return [line for line in listing.stdout.splitlines() if marker in line]
+    """Command lines of host processes containing ``marker`` that may still run: one with a
+    ``SIGKILL`` pending or already exiting never runs another instruction of its own (on a
+    loaded machine it may wait a while to be scheduled and die), so it is not counted."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                line = fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        except OSError:
+            continue  # gone meanwhile
+        if marker in line and not dying(int(entry)):
+            found.append(line)
+    return found
+
+
+def described(marker: str) -> str:
+    """What /proc says of each host process containing ``marker`` (an assertion's message)."""
+    lines = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if marker.encode() not in fh.read().replace(b"\0", b" "):
+                    continue
+            with open(f"/proc/{entry}/status") as fh:
+                keep = ("State", "PPid", "SigPnd", "ShdPnd", "SigBlk", "NSpid")
+                status = [line.strip() for line in fh if line.startswith(keep)]
+        except OSError:
+            continue
+        lines.append(f"{entry}: {', '.join(status)} (dying: {dying(int(entry))})")
+    return "\n".join(lines)
 
 
 async def sandbox_processes(session: AgentSession, marker: str) -> list[str]:

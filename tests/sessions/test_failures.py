@@ -30,6 +30,7 @@ from .conftest import (
     DOCKER,
     bash,
     containers_of,
+    described,
     host_processes,
     kill_sandbox,
     no_leaks,
@@ -63,7 +64,7 @@ async def test_agent_that_never_calls_times_out(backend: dict[str, Any], unique:
         assert caught.value.rollout_id == rollout_id
         # when the error surfaced, the agent's command was already killed (checked
         # before yielding to the event loop; a container's processes show on the host)
-        assert host_processes("sleep 31337") == []
+        assert host_processes("sleep 31337") == [], described("sleep 31337")
         assert await sandbox_processes(session, "sleep 31337") == []
         assert session.status == "failed"
         with pytest.raises(SessionRequestTimeout):
@@ -288,10 +289,12 @@ async def test_factory_block_errors_come_out_unwrapped(unique: Any) -> None:
                 session = await factory.create(task="t", rollout_id=unique("body"))
                 raise KeyError("the trainer's own bug")
         assert session.closed
-        with anyio.move_on_after(1) as scope:
+        with anyio.CancelScope() as scope:
             async with AgentSessionFactory("subprocess", "bash") as factory:
                 session = await factory.create(task="t", rollout_id=unique("cancel"))
                 await start_command(session, "sleep 31342")
+                await wait_for_process(session, "sleep 31342")  # cancelled while it runs
+                scope.cancel()
                 await anyio.sleep(30)
         assert scope.cancelled_caught and session.closed
         assert host_processes("sleep 31342") == []

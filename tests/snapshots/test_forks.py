@@ -132,7 +132,9 @@ async def test_a_removed_snapshot_is_not_listed_and_cannot_be_opened(backend: Ba
     assert not await fork.alive() and fork.state != State.OPEN, "nothing was left open"
 
 
-async def test_cleanup_removes_the_snapshot_of_a_sigkilled_holder(backend: Backend) -> None:
+async def test_cleanup_removes_the_snapshot_of_a_sigkilled_holder(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
     child, said = child_process(backend, "hang")
     try:
         os.kill(child.pid, signal.SIGKILL)
@@ -144,8 +146,11 @@ async def test_cleanup_removes_the_snapshot_of_a_sigkilled_holder(backend: Backe
 
         results = await cleanup_sandboxes([backend.config])
         mine = {(r.kind, r.info.id): r for r in results}
-        assert mine[("snapshot", taken.id)].action == "removed", results
-        assert "session is dead" in mine[("snapshot", taken.id)].reason
+        # Missing from the results: a backend skipped (the log says why) or removed by another.
+        swept = mine.get(("snapshot", taken.id))
+        assert swept is not None, (results, caplog.text, await _listed(backend))
+        assert swept.action == "removed", results
+        assert "session is dead" in swept.reason
         assert mine[("sandbox", said["sandbox"])].action == "removed"
         assert taken.id not in await _listed(backend)
     finally:

@@ -8,7 +8,13 @@ The transport is killed three ways, on both exec paths (plain channels, channel 
 * ``steal``: a few inbound bytes are read off the socket behind paramiko's back, which
   desynchronises the stream: paramiko fails with "Invalid packet blocking" or a MAC
   mismatch, the failure seen under load when another thread read from a reused descriptor;
-  or (1 time in 16) it decodes a block-aligned garbage length and waits for that many bytes;
+  or (1 time in 16) it decodes a block-aligned garbage length;
+* ``flip``: that garbage length, every time: the top bit of the next packet's length is
+  flipped on the wire (a stream cipher, so the plaintext length flips with it), a length of
+  over 2 GiB. paramiko alone waits for those bytes, and while the streaming command's output
+  keeps arriving its socket never times out, so no keepalive notices (the steal case failed
+  CI that way, with the transport still up 15 s later): the runtime refuses any packet longer
+  than a server sends;
 * ``blackhole``: every inbound byte is lost from then on while the TCP connection stays up
   (a silent network drop, a wedged server; and what the garbage-length wait looks like):
   only keepalives that ask for an answer notice it.
@@ -46,13 +52,17 @@ CALL_TIMEOUT = 120.0
 
 WATCHDOG = 30.0
 
-Kill = Literal["shutdown", "steal", "blackhole"]
+Kill = Literal["shutdown", "steal", "flip", "blackhole"]
+
+BLOCK = 16
+"""The cipher's block: paramiko reads a packet's first block (its length) alone."""
 
 
 class _Thief:
     """paramiko's socket, with inbound bytes taken away once armed: 7 bytes of one chunk
-    (``steal``: what a stale read elsewhere in the process does to it), or everything from
-    then on (``blackhole``: the connection stays up, nothing arrives)."""
+    (``steal``: what a stale read elsewhere in the process does to it), the top bit of a
+    packet's length (``flip``), or everything from then on (``blackhole``: the connection
+    stays up, nothing arrives)."""
 
     def __init__(self, sock: socket.socket, how: Kill) -> None:
         self._sock = sock
@@ -64,6 +74,11 @@ class _Thief:
         if self._how == "blackhole" and data:
             self.stolen = True
             raise TimeoutError  # what paramiko's 0.1 s socket timeout raises: nothing came
+        if self._how == "flip":
+            if not self.stolen and size == BLOCK and data:
+                self.stolen = True
+                return bytes([data[0] ^ 0x80]) + data[1:]
+            return data
         if not self.stolen and len(data) > 7:
             self.stolen = True
             return data[7:]
@@ -86,6 +101,8 @@ def _kill_transport(rt: SSHRuntime, how: Kill) -> None:
         while conn.transport.is_active() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert thief.stolen and not conn.transport.is_active(), "paramiko read on"
+        if how == "flip":
+            assert "the stream is corrupt" in str(conn.transport.saved_exception)
         return
     # A second descriptor of the same socket: the test acts on the socket without touching
     # the object paramiko holds.
@@ -106,7 +123,7 @@ async def _outcome(call: Callable[[], Awaitable[object]]) -> object:
 # paramiko's SFTP prefetch thread of the read in flight dies with an EOFError when the
 # transport does; the read itself surfaces the typed error (or retries).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-@pytest.mark.parametrize("how", ["shutdown", "steal", "blackhole"])
+@pytest.mark.parametrize("how", ["shutdown", "steal", "flip", "blackhole"])
 @pytest.mark.parametrize("channel", [False, True], ids=["plain", "channel"])
 async def test_calls_in_flight_fail_at_once_then_the_runtime_reconnects(
     sshd: SSHServer, channel: bool, how: Kill
