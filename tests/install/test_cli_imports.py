@@ -7,13 +7,12 @@ that happens is seen, not hidden by an ImportError)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from .venvs import REPO, user_env
+from .venvs import REPO, run_as_user
 
 EXTRAS_PACKAGES = frozenset(
     {"ray", "modal", "docker", "paramiko", "inspect_ai", "trl", "transformers", "torch"}
@@ -41,16 +40,7 @@ print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
 def _imported_by(*argv: str, tmp_path: Path) -> tuple[set[str], set[str]]:
     """The extras' packages and the project's backend packages that ``vf-sandbox ARGV``
     imported (it must exit 0)."""
-    result = subprocess.run(
-        [sys.executable, "-c", CODE, *argv],
-        cwd=REPO,
-        env=user_env(tmp_path),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = run_as_user([sys.executable, "-c", CODE, *argv], REPO, tmp_path)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["code"] == 0, report["code"]

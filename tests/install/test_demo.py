@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import yaml
 
-from .venvs import REPO, copy_source, installed, user_env
+from .venvs import REPO, copy_source, installed, run_as_user
 
 EXAMPLES = REPO / "examples"
 JUDGES = [
@@ -40,16 +39,7 @@ OTHER_EXTRAS = ("modal", "ray", "inspect-ai", "trl", "torch", "openenv")
 def test_make_demo_on_a_bare_clone(tmp_path: Path) -> None:
     clone = copy_source(tmp_path / "clone")
     assert not (clone / ".venv").exists()
-    result = subprocess.run(
-        ["make", "--no-print-directory", "demo"],
-        cwd=clone,
-        env=user_env(tmp_path),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+    result = run_as_user(["make", "--no-print-directory", "demo"], clone, tmp_path, timeout=900)
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"make demo exited {result.returncode}:\n{out[-4000:]}\n{err}"
 

@@ -128,22 +128,30 @@ def installed(python: Path) -> dict[str, str]:
     return found
 
 
-def run_in(
-    venv: Path, argv: Sequence[str], cwd: Path, timeout: float = 300
+def run_as_user(
+    argv: Sequence[str], cwd: Path, tmp: Path, venv: Path | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    """``argv`` (a command of ``venv/bin``, or an absolute path) run as a user of ``venv`` would,
-    in ``cwd``, with no standard input."""
-    program = argv[0] if os.path.isabs(argv[0]) else str(venv / "bin" / argv[0])
+    """``argv`` run in ``cwd`` as a user's shell would (:func:`user_env` under ``tmp``, with
+    ``venv`` activated), with no standard input; its output captured, its exit code kept."""
     return subprocess.run(
-        [program, *argv[1:]],
+        list(argv),
         cwd=cwd,
-        env=user_env(cwd, venv),
+        env=user_env(tmp, venv),
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
     )
+
+
+def run_in(
+    venv: Path, argv: Sequence[str], cwd: Path, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` (a command of ``venv/bin``, or an absolute path) run as a user of ``venv`` would,
+    in ``cwd``, with no standard input."""
+    program = argv[0] if os.path.isabs(argv[0]) else str(venv / "bin" / argv[0])
+    return run_as_user([program, *argv[1:]], cwd, cwd, venv, timeout)
 
 
 def json_of(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
