@@ -212,11 +212,12 @@ test: prepare
 	[ $$rc1 -eq 0 ] && [ $$rc2 -eq 0 ]
 
 # The inner loop between commits (not CI's): lint, types, and the tests that need no engine,
-# no sshd and no cluster, side by side. CI runs `make test`.
+# no sshd and no cluster, side by side; not the install proofs of tests/install (a venv per
+# extra and a bare clone's `make demo`: a fifth of the time). CI runs `make test`.
 CHECK_MARKERS := not docker and not ssh and not ray and not slow and not modal_live
 check:
 	$(MAKE) --no-print-directory -j$(PREPARE_JOBS) --output-sync=target lint typecheck
-	$(PYTEST) -n $(PYTEST_WORKERS) --dist loadgroup -m '$(CHECK_MARKERS)' $(PYTEST_ARGS)
+	$(PYTEST) -n $(PYTEST_WORKERS) --dist loadgroup -m '$(CHECK_MARKERS)' --ignore=tests/install $(PYTEST_ARGS)
 
 # --- demo and benchmarks -----------------------------------------------------------------------------------
 # The main job: judge the example rollout on the subprocess runtime. Offline, the judges'

@@ -35,12 +35,8 @@ SERIAL = frozenset(
         "tests/reliability/test_soak.py",
         # a turn budget bounded in seconds (60 s): 86 s beside three workers' load
         "tests/harnesses/test_mini_swe_agent.py",
-        # steals paramiko's reads within a window that load closes
+        # kills SSH transports under calls in flight and bounds how soon each notices (seconds)
         "tests/ssh/test_transport_death.py",
-        # count a dead session's sandboxes on the engine between a dry run and a real one: in the
-        # second side-by-side run something beside the machine group removed them first
-        "tests/docker/test_leaks.py",
-        "tests/ray/test_cleanup.py",
     }
 )
 """Test files that run alone, after the side-by-side phase (marked ``serial``)."""
@@ -50,6 +46,8 @@ MACHINE_WIDE = frozenset(
         # `cleanup` of the dead sessions' sandboxes on a shared backend (Docker, the default
         # subprocess root), or of every kept one: each removes what the others left to see.
         "tests/docker/test_teardown.py",
+        "tests/docker/test_leaks.py",
+        "tests/ray/test_cleanup.py",
         "tests/pool/test_pool_docker.py",
         "tests/reliability/test_leaks.py",
         "tests/reliability/test_bad_config.py",

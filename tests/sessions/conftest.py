@@ -116,11 +116,8 @@ async def no_leaks() -> AsyncIterator[None]:
     wait_for_no_extra_threads(threads)
 
 
-def host_processes(marker: str) -> list[str]:
-    """Command lines of host processes containing ``marker`` that may still run: one with a
-    ``SIGKILL`` pending or already exiting never runs another instruction of its own (on a
-    loaded machine it may wait a while to be scheduled and die), so it is not counted."""
-    found = []
+def _host_commands(marker: str) -> Iterator[tuple[int, str]]:
+    """(pid, command line) of each host process whose command line contains ``marker``."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -129,27 +126,28 @@ def host_processes(marker: str) -> list[str]:
                 line = fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
         except OSError:
             continue  # gone meanwhile
-        if marker in line and not dying(int(entry)):
-            found.append(line)
-    return found
+        if marker in line:
+            yield int(entry), line
+
+
+def host_processes(marker: str) -> list[str]:
+    """Command lines of host processes containing ``marker`` that may still run: one with a
+    ``SIGKILL`` pending or already exiting never runs another instruction of its own (on a
+    loaded machine it may wait a while to be scheduled and die), so it is not counted."""
+    return [line for pid, line in _host_commands(marker) if not dying(pid)]
 
 
 def described(marker: str) -> str:
     """What /proc says of each host process containing ``marker`` (an assertion's message)."""
     lines = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    keep = ("State", "PPid", "SigPnd", "ShdPnd", "SigBlk", "NSpid")
+    for pid, _ in _host_commands(marker):
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                if marker.encode() not in fh.read().replace(b"\0", b" "):
-                    continue
-            with open(f"/proc/{entry}/status") as fh:
-                keep = ("State", "PPid", "SigPnd", "ShdPnd", "SigBlk", "NSpid")
+            with open(f"/proc/{pid}/status") as fh:
                 status = [line.strip() for line in fh if line.startswith(keep)]
         except OSError:
-            continue
-        lines.append(f"{entry}: {', '.join(status)} (dying: {dying(int(entry))})")
+            continue  # gone meanwhile
+        lines.append(f"{pid}: {', '.join(status)} (dying: {dying(pid)})")
     return "\n".join(lines)
 
 
